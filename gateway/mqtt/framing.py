@@ -1,0 +1,99 @@
+"""Incremental framing: feed bytes from the network, get whole decoded packets (MQTT 5.0 §2.1).
+
+A partial frame never raises: its bytes wait for the next :meth:`PacketReader.feed`. A declared Remaining
+Length above the Maximum Packet Size raises before any of the body is buffered, so a peer cannot make the
+reader hold more than ``max_packet_size`` bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from gateway.mqtt.errors import MalformedPacket, PacketTooLarge
+from gateway.mqtt.packets import CONNECT, MQTT_3_1_1, Packet, decode_packet
+
+#: The largest packet MQTT can frame: 1 + 4 + 268,435,455 bytes (MQTT 5.0 §2.1.4).
+ABSOLUTE_MAX_PACKET_SIZE = 268_435_460
+
+
+class PacketReader:
+    """Splits a byte stream into packets and decodes them.
+
+    Attributes:
+        version: the Protocol Level used to decode; set from the first CONNECT seen (3, 4 or 5).
+        max_packet_size: the largest whole packet accepted, in bytes (fixed header included).
+    """
+
+    __slots__ = ("_buf", "max_packet_size", "version")
+
+    def __init__(self, max_packet_size: int = ABSOLUTE_MAX_PACKET_SIZE, version: int = MQTT_3_1_1) -> None:
+        self._buf = b""
+        self.max_packet_size = max_packet_size
+        self.version = version
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held that do not make a whole packet yet."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> Iterator[Packet]:
+        """Add ``data`` and yield every whole packet now available, in order.
+
+        The error for a bad packet is raised after the good packets before it were yielded; the
+        reader must not be fed again after it raised.
+
+        Raises:
+            MalformedPacket: a Remaining Length over 4 bytes or any decoding error of a whole packet.
+            PacketTooLarge: a declared packet size above ``max_packet_size`` [MQTT-3.2.2-15] / [MQTT-3.1.2-24].
+            ProtocolError, UnsupportedProtocolVersion, MQTTError: from :func:`decode_packet`.
+        """
+        buf = self._buf + data if self._buf else data
+        end = len(buf)
+        pos = 0
+        limit = self.max_packet_size
+        try:
+            while pos < end:
+                # Fixed header: type/flags byte, then 1-4 byte Remaining Length.
+                if pos + 1 >= end:
+                    break
+                first = buf[pos]
+                byte = buf[pos + 1]
+                if byte < 128:
+                    length = byte
+                    hdr = 2
+                else:
+                    length = byte & 0x7F
+                    shift = 7
+                    hdr = 2
+                    complete = False
+                    while True:
+                        if pos + hdr >= end:
+                            break
+                        byte = buf[pos + hdr]
+                        hdr += 1
+                        length |= (byte & 0x7F) << shift
+                        if byte < 128:
+                            complete = True
+                            break
+                        shift += 7
+                        if hdr > 4:
+                            raise MalformedPacket("Remaining Length longer than 4 bytes [MQTT-1.5.5-1]")
+                    if not complete:
+                        break
+                if hdr + length > limit:
+                    raise PacketTooLarge(
+                        f"packet of {hdr + length} bytes exceeds the Maximum Packet Size of {limit} bytes"
+                    )
+                start = pos + hdr
+                stop = start + length
+                if stop > end:
+                    break
+                pos = stop
+                packet = decode_packet(first, buf[start:stop], self.version)
+                if (first >> 4) == CONNECT:
+                    self.version = packet.protocol_level  # type: ignore[union-attr]
+                    if self.version == 3:
+                        self.version = MQTT_3_1_1
+                yield packet
+        finally:
+            self._buf = buf[pos:] if pos < end else b""

@@ -1,0 +1,644 @@
+"""The 15 MQTT control packets for protocol levels 3 (3.1), 4 (3.1.1) and 5 (5.0): classes, encode, decode.
+
+Every packet class has ``encode(version) -> bytes`` (the whole packet, fixed header included) and is decoded by
+:func:`decode_packet`. ``version`` is the Protocol Level: 3 and 4 encode the 3.1.1 wire format (reason codes and
+properties are dropped), 5 the 5.0 one. Sources: MQTT 3.1.1 §2-3, MQTT 5.0 §2-3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from gateway.mqtt.errors import MalformedPacket, MQTTError, ProtocolError, UnsupportedProtocolVersion
+from gateway.mqtt.primitives import (
+    decode_binary,
+    decode_string,
+    decode_u16,
+    encode_binary,
+    encode_string,
+    encode_vbi,
+)
+from gateway.mqtt.properties import WILL, Properties, decode_properties, encode_properties
+from gateway.mqtt.reason_codes import ReasonCode
+
+CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
+SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT, AUTH = 8, 9, 10, 11, 12, 13, 14, 15
+
+MQTT_3_1 = 3
+MQTT_3_1_1 = 4
+MQTT_5 = 5
+
+PACKET_NAMES = {
+    1: "CONNECT",
+    2: "CONNACK",
+    3: "PUBLISH",
+    4: "PUBACK",
+    5: "PUBREC",
+    6: "PUBREL",
+    7: "PUBCOMP",
+    8: "SUBSCRIBE",
+    9: "SUBACK",
+    10: "UNSUBSCRIBE",
+    11: "UNSUBACK",
+    12: "PINGREQ",
+    13: "PINGRESP",
+    14: "DISCONNECT",
+    15: "AUTH",
+}
+
+#: Valid SUBACK return codes in MQTT 3.1.1 (§3.9.3): granted QoS 0-2 or 0x80 Failure.
+SUBACK_FAILURE_311 = 0x80
+
+
+def _frame(first_byte: int, body: bytes) -> bytes:
+    n = len(body)
+    if n < 128:
+        return bytes((first_byte, n)) + body
+    return bytes((first_byte,)) + encode_vbi(n) + body
+
+
+@dataclass(slots=True)
+class Will:
+    """The Will Message carried in a CONNECT (MQTT 5.0 §3.1.2.5, §3.1.3.2-3.1.3.4)."""
+
+    topic: str
+    payload: bytes = b""
+    qos: int = 0
+    retain: bool = False
+    properties: Properties = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Connect:
+    """CONNECT (MQTT 5.0 §3.1, MQTT 3.1.1 §3.1). ``protocol_level`` is 3, 4 or 5; ``keep_alive`` in seconds."""
+
+    TYPE: ClassVar[int] = CONNECT
+    client_id: str = ""
+    protocol_level: int = MQTT_3_1_1
+    clean_start: bool = True
+    keep_alive: int = 0
+    username: str | None = None
+    password: bytes | None = None
+    will: Will | None = None
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int | None = None) -> bytes:
+        level = self.protocol_level if version is None else version
+        name = b"\x00\x06MQIsdp" if level == MQTT_3_1 else b"\x00\x04MQTT"
+        flags = 0
+        if self.clean_start:
+            flags |= 0x02
+        will = self.will
+        if will is not None:
+            flags |= 0x04 | (will.qos << 3) | (0x20 if will.retain else 0)
+        if self.password is not None:
+            flags |= 0x40
+        if self.username is not None:
+            flags |= 0x80
+        body = bytearray(name)
+        body += bytes((level, flags, self.keep_alive >> 8, self.keep_alive & 0xFF))
+        if level == MQTT_5:
+            body += encode_properties(self.properties)
+        body += encode_string(self.client_id)
+        if will is not None:
+            if level == MQTT_5:
+                body += encode_properties(will.properties)
+            body += encode_string(will.topic)
+            body += encode_binary(will.payload)
+        if self.username is not None:
+            body += encode_string(self.username)
+        if self.password is not None:
+            body += encode_binary(self.password)
+        return _frame(0x10, bytes(body))
+
+
+@dataclass(slots=True)
+class Connack:
+    """CONNACK (MQTT 5.0 §3.2, MQTT 3.1.1 §3.2).
+
+    ``reason_code`` is the 5.0 reason code; for 3.1.1 pass the 3.1.1 return code (0-5).
+    """
+
+    TYPE: ClassVar[int] = CONNACK
+    session_present: bool = False
+    reason_code: int = 0
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        body = bytes((1 if self.session_present else 0, self.reason_code))
+        if version == MQTT_5:
+            body += encode_properties(self.properties)
+        return _frame(0x20, body)
+
+
+@dataclass(slots=True)
+class Publish:
+    """PUBLISH (MQTT 5.0 §3.3, MQTT 3.1.1 §3.3). ``packet_id`` is ``None`` for QoS 0."""
+
+    TYPE: ClassVar[int] = PUBLISH
+    topic: str
+    payload: bytes = b""
+    qos: int = 0
+    retain: bool = False
+    dup: bool = False
+    packet_id: int | None = None
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        first = 0x30 | (self.qos << 1) | (0x08 if self.dup else 0) | (1 if self.retain else 0)
+        topic = self.topic.encode("utf-8")
+        body = bytearray(len(topic).to_bytes(2, "big"))
+        body += topic
+        if self.qos:
+            body += self.packet_id.to_bytes(2, "big")  # type: ignore[union-attr]
+        if version == MQTT_5:
+            body += encode_properties(self.properties)
+        body += self.payload
+        return _frame(first, bytes(body))
+
+
+@dataclass(slots=True)
+class _Ack:
+    """The shape shared by PUBACK, PUBREC, PUBREL and PUBCOMP (MQTT 5.0 §3.4-3.7)."""
+
+    TYPE: ClassVar[int] = 0
+    FLAGS: ClassVar[int] = 0
+    packet_id: int
+    reason_code: int = 0
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        first = (self.TYPE << 4) | self.FLAGS
+        pid = self.packet_id
+        if version != MQTT_5 or (self.reason_code == 0 and not self.properties):
+            return bytes((first, 2, pid >> 8, pid & 0xFF))
+        if not self.properties:
+            return bytes((first, 3, pid >> 8, pid & 0xFF, self.reason_code))
+        body = bytes((pid >> 8, pid & 0xFF, self.reason_code)) + encode_properties(self.properties)
+        return _frame(first, body)
+
+
+class PubAck(_Ack):
+    """PUBACK: the response to a QoS 1 PUBLISH (MQTT 5.0 §3.4)."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int] = PUBACK
+
+
+class PubRec(_Ack):
+    """PUBREC: QoS 2 delivery part 1 (MQTT 5.0 §3.5)."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int] = PUBREC
+
+
+class PubRel(_Ack):
+    """PUBREL: QoS 2 delivery part 2; fixed header flags 0b0010 (MQTT 5.0 §3.6)."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int] = PUBREL
+    FLAGS: ClassVar[int] = 0x02
+
+
+class PubComp(_Ack):
+    """PUBCOMP: QoS 2 delivery part 3 (MQTT 5.0 §3.7)."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int] = PUBCOMP
+
+
+@dataclass(slots=True)
+class Subscription:
+    """One Topic Filter with its Subscription Options (MQTT 5.0 §3.8.3.1).
+
+    ``retain_handling``: 0 send retained on subscribe, 1 only if the subscription is new, 2 never.
+    """
+
+    topic_filter: str
+    qos: int = 0
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+
+    def options_byte(self, version: int) -> int:
+        if version != MQTT_5:
+            return self.qos
+        return (
+            self.qos
+            | (0x04 if self.no_local else 0)
+            | (0x08 if self.retain_as_published else 0)
+            | (self.retain_handling << 4)
+        )
+
+
+@dataclass(slots=True)
+class Subscribe:
+    """SUBSCRIBE (MQTT 5.0 §3.8, MQTT 3.1.1 §3.8); fixed header flags 0b0010."""
+
+    TYPE: ClassVar[int] = SUBSCRIBE
+    packet_id: int
+    subscriptions: list[Subscription] = field(default_factory=list)
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        body = bytearray(self.packet_id.to_bytes(2, "big"))
+        if version == MQTT_5:
+            body += encode_properties(self.properties)
+        for sub in self.subscriptions:
+            body += encode_string(sub.topic_filter)
+            body.append(sub.options_byte(version))
+        return _frame(0x82, bytes(body))
+
+
+@dataclass(slots=True)
+class Suback:
+    """SUBACK (MQTT 5.0 §3.9, MQTT 3.1.1 §3.9): one reason code (3.1.1: return code) per Topic Filter."""
+
+    TYPE: ClassVar[int] = SUBACK
+    packet_id: int
+    reason_codes: list[int] = field(default_factory=list)
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        body = bytearray(self.packet_id.to_bytes(2, "big"))
+        if version == MQTT_5:
+            body += encode_properties(self.properties)
+            body += bytes(self.reason_codes)
+        else:
+            body += bytes(c if c < 0x80 else SUBACK_FAILURE_311 for c in self.reason_codes)
+        return _frame(0x90, bytes(body))
+
+
+@dataclass(slots=True)
+class Unsubscribe:
+    """UNSUBSCRIBE (MQTT 5.0 §3.10, MQTT 3.1.1 §3.10); fixed header flags 0b0010."""
+
+    TYPE: ClassVar[int] = UNSUBSCRIBE
+    packet_id: int
+    topic_filters: list[str] = field(default_factory=list)
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        body = bytearray(self.packet_id.to_bytes(2, "big"))
+        if version == MQTT_5:
+            body += encode_properties(self.properties)
+        for topic_filter in self.topic_filters:
+            body += encode_string(topic_filter)
+        return _frame(0xA2, bytes(body))
+
+
+@dataclass(slots=True)
+class Unsuback:
+    """UNSUBACK (MQTT 5.0 §3.11, MQTT 3.1.1 §3.11); reason codes exist in 5.0 only."""
+
+    TYPE: ClassVar[int] = UNSUBACK
+    packet_id: int
+    reason_codes: list[int] = field(default_factory=list)
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        body = bytearray(self.packet_id.to_bytes(2, "big"))
+        if version == MQTT_5:
+            body += encode_properties(self.properties)
+            body += bytes(self.reason_codes)
+        return _frame(0xB0, bytes(body))
+
+
+@dataclass(slots=True)
+class PingReq:
+    """PINGREQ (MQTT 5.0 §3.12)."""
+
+    TYPE: ClassVar[int] = PINGREQ
+
+    def encode(self, version: int = MQTT_5) -> bytes:
+        return b"\xc0\x00"
+
+
+@dataclass(slots=True)
+class PingResp:
+    """PINGRESP (MQTT 5.0 §3.13)."""
+
+    TYPE: ClassVar[int] = PINGRESP
+
+    def encode(self, version: int = MQTT_5) -> bytes:
+        return b"\xd0\x00"
+
+
+@dataclass(slots=True)
+class Disconnect:
+    """DISCONNECT (MQTT 5.0 §3.14, MQTT 3.1.1 §3.14); reason code and properties exist in 5.0 only."""
+
+    TYPE: ClassVar[int] = DISCONNECT
+    reason_code: int = 0
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int) -> bytes:
+        if version != MQTT_5 or (self.reason_code == 0 and not self.properties):
+            return b"\xe0\x00"
+        if not self.properties:
+            return bytes((0xE0, 1, self.reason_code))
+        return _frame(0xE0, bytes((self.reason_code,)) + encode_properties(self.properties))
+
+
+@dataclass(slots=True)
+class Auth:
+    """AUTH (MQTT 5.0 §3.15), 5.0 only."""
+
+    TYPE: ClassVar[int] = AUTH
+    reason_code: int = 0
+    properties: Properties = field(default_factory=dict)
+
+    def encode(self, version: int = MQTT_5) -> bytes:
+        if self.reason_code == 0 and not self.properties:
+            return b"\xf0\x00"
+        return _frame(0xF0, bytes((self.reason_code,)) + encode_properties(self.properties))
+
+
+Packet = (
+    Connect
+    | Connack
+    | Publish
+    | PubAck
+    | PubRec
+    | PubRel
+    | PubComp
+    | Subscribe
+    | Suback
+    | Unsubscribe
+    | Unsuback
+    | PingReq
+    | PingResp
+    | Disconnect
+    | Auth
+)
+
+# ---------------------------------------------------------------------------------------------- decoding
+
+#: Fixed header flag nibble each packet type must carry (MQTT 5.0 §2.1.3, [MQTT-2.1.3-1]); PUBLISH varies.
+_REQUIRED_FLAGS = {t: 0 for t in range(1, 16)}
+_REQUIRED_FLAGS[PUBREL] = _REQUIRED_FLAGS[SUBSCRIBE] = _REQUIRED_FLAGS[UNSUBSCRIBE] = 0x02
+
+_VALID_REASONS = frozenset(int(r) for r in ReasonCode)
+
+
+def _check_end(pos: int, body: bytes) -> None:
+    if pos != len(body):
+        raise MalformedPacket(f"{len(body) - pos} unexpected bytes at the end of the packet")
+
+
+def _decode_connect(body: bytes) -> Connect:
+    try:
+        name, pos = decode_string(body, 0)
+    except MalformedPacket:
+        raise UnsupportedProtocolVersion("CONNECT does not start with a Protocol Name", None) from None
+    if pos >= len(body):
+        raise MalformedPacket("CONNECT ends before the Protocol Level")
+    level = body[pos]
+    pos += 1
+    if (name, level) not in (("MQTT", 4), ("MQTT", 5), ("MQIsdp", 3)):
+        if name not in ("MQTT", "MQIsdp"):
+            raise UnsupportedProtocolVersion(f"unknown Protocol Name {name!r} [MQTT-3.1.2-1]", None)
+        raise UnsupportedProtocolVersion(
+            f"unsupported Protocol Level {level} for {name!r} (this server speaks 3, 4 and 5) [MQTT-3.1.2-2]",
+            level,
+        )
+    if pos + 3 > len(body):
+        raise MalformedPacket("CONNECT ends inside the variable header")
+    flags = body[pos]
+    keep_alive = (body[pos + 1] << 8) | body[pos + 2]
+    pos += 3
+    if flags & 0x01:
+        raise MalformedPacket("CONNECT flags reserved bit is not 0 [MQTT-3.1.2-3]")
+    will_flag = bool(flags & 0x04)
+    will_qos = (flags >> 3) & 0x03
+    will_retain = bool(flags & 0x20)
+    if will_qos == 3:
+        raise MalformedPacket("Will QoS 3 [MQTT-3.1.2-14]")
+    if not will_flag and (will_qos or will_retain):
+        raise MalformedPacket("Will QoS/Retain set without the Will Flag [MQTT-3.1.2-13] [MQTT-3.1.2-15]")
+    has_user = bool(flags & 0x80)
+    has_password = bool(flags & 0x40)
+    if level != MQTT_5 and has_password and not has_user:
+        raise MalformedPacket("Password Flag set without User Name Flag [MQTT-3.1.2-22]")
+    props: Properties = {}
+    if level == MQTT_5:
+        props, pos = decode_properties(body, pos, CONNECT)
+    client_id, pos = decode_string(body, pos)
+    will = None
+    if will_flag:
+        will_props: Properties = {}
+        if level == MQTT_5:
+            will_props, pos = decode_properties(body, pos, WILL)
+        will_topic, pos = decode_string(body, pos)
+        will_payload, pos = decode_binary(body, pos)
+        will = Will(will_topic, will_payload, will_qos, will_retain, will_props)
+    username = password = None
+    if has_user:
+        username, pos = decode_string(body, pos)
+    if has_password:
+        password, pos = decode_binary(body, pos)
+    _check_end(pos, body)
+    return Connect(client_id, level, bool(flags & 0x02), keep_alive, username, password, will, props)
+
+
+def _decode_connack(body: bytes, version: int) -> Connack:
+    if len(body) < 2:
+        raise MalformedPacket("CONNACK shorter than 2 bytes")
+    if body[0] & 0xFE:
+        raise MalformedPacket("CONNACK Acknowledge Flags reserved bits are not 0")
+    props: Properties = {}
+    pos = 2
+    if version == MQTT_5:
+        props, pos = decode_properties(body, pos, CONNACK)
+    _check_end(pos, body)
+    return Connack(bool(body[0] & 1), body[1], props)
+
+
+def _decode_publish(flags: int, body: bytes, version: int) -> Publish:
+    qos = (flags >> 1) & 0x03
+    if qos == 3:
+        raise MalformedPacket("PUBLISH with QoS 3 [MQTT-3.3.1-4]")
+    dup = bool(flags & 0x08)
+    if dup and not qos:
+        raise MalformedPacket("PUBLISH with DUP=1 and QoS 0 [MQTT-3.3.1-2]")
+    topic, pos = decode_string(body, 0)
+    if "+" in topic or "#" in topic:
+        raise MQTTError(
+            ReasonCode.TOPIC_NAME_INVALID, "PUBLISH Topic Name contains a wildcard character [MQTT-3.3.2-2]"
+        )
+    packet_id = None
+    if qos:
+        packet_id, pos = decode_u16(body, pos)
+        if not packet_id:
+            raise MalformedPacket("PUBLISH with Packet Identifier 0 [MQTT-2.2.1-3]")
+    props: Properties = {}
+    if version == MQTT_5:
+        props, pos = decode_properties(body, pos, PUBLISH)
+    elif not topic:
+        raise ProtocolError("PUBLISH with an empty Topic Name [MQTT-4.7.3-1]")
+    return Publish(topic, body[pos:], qos, bool(flags & 1), dup, packet_id, props)
+
+
+def _decode_ack(cls: type[_Ack], body: bytes, version: int) -> _Ack:
+    packet_id, pos = decode_u16(body, 0)
+    if not packet_id:
+        raise MalformedPacket(f"{PACKET_NAMES[cls.TYPE]} with Packet Identifier 0 [MQTT-2.2.1-3]")
+    if version != MQTT_5:
+        _check_end(pos, body)
+        return cls(packet_id)
+    reason = 0
+    props: Properties = {}
+    if pos < len(body):
+        reason = body[pos]
+        pos += 1
+        if reason not in _VALID_REASONS:
+            raise MalformedPacket(f"{PACKET_NAMES[cls.TYPE]} with unknown Reason Code 0x{reason:02X}")
+        if pos < len(body):
+            props, pos = decode_properties(body, pos, cls.TYPE)
+    _check_end(pos, body)
+    return cls(packet_id, reason, props)
+
+
+def _decode_subscribe(body: bytes, version: int) -> Subscribe:
+    packet_id, pos = decode_u16(body, 0)
+    if not packet_id:
+        raise MalformedPacket("SUBSCRIBE with Packet Identifier 0 [MQTT-2.2.1-3]")
+    props: Properties = {}
+    if version == MQTT_5:
+        props, pos = decode_properties(body, pos, SUBSCRIBE)
+    subs: list[Subscription] = []
+    end = len(body)
+    while pos < end:
+        topic_filter, pos = decode_string(body, pos)
+        if pos >= end:
+            raise MalformedPacket("SUBSCRIBE Topic Filter without Subscription Options")
+        opts = body[pos]
+        pos += 1
+        qos = opts & 0x03
+        if qos == 3:
+            raise MalformedPacket("SUBSCRIBE with requested QoS 3 [MQTT-3-8.3-4]")
+        if version == MQTT_5:
+            if opts & 0xC0:
+                raise MalformedPacket("SUBSCRIBE Subscription Options reserved bits are not 0 [MQTT-3.8.3-5]")
+            retain_handling = (opts >> 4) & 0x03
+            if retain_handling == 3:
+                raise ProtocolError("SUBSCRIBE with Retain Handling 3 (MQTT 5.0 §3.8.3.1)")
+            subs.append(Subscription(topic_filter, qos, bool(opts & 0x04), bool(opts & 0x08), retain_handling))
+        else:
+            if opts & 0xFC:
+                raise MalformedPacket("SUBSCRIBE requested QoS byte reserved bits are not 0 [MQTT-3.8.3-4]")
+            subs.append(Subscription(topic_filter, qos))
+    if not subs:
+        if version == MQTT_5:
+            raise ProtocolError("SUBSCRIBE with no Topic Filter [MQTT-3.8.3-2]")
+        raise MalformedPacket("SUBSCRIBE with no Topic Filter [MQTT-3.8.3-3]")
+    return Subscribe(packet_id, subs, props)
+
+
+def _decode_suback(body: bytes, version: int) -> Suback:
+    packet_id, pos = decode_u16(body, 0)
+    props: Properties = {}
+    if version == MQTT_5:
+        props, pos = decode_properties(body, pos, SUBACK)
+    return Suback(packet_id, list(body[pos:]), props)
+
+
+def _decode_unsubscribe(body: bytes, version: int) -> Unsubscribe:
+    packet_id, pos = decode_u16(body, 0)
+    if not packet_id:
+        raise MalformedPacket("UNSUBSCRIBE with Packet Identifier 0 [MQTT-2.2.1-3]")
+    props: Properties = {}
+    if version == MQTT_5:
+        props, pos = decode_properties(body, pos, UNSUBSCRIBE)
+    filters: list[str] = []
+    while pos < len(body):
+        topic_filter, pos = decode_string(body, pos)
+        filters.append(topic_filter)
+    if not filters:
+        if version == MQTT_5:
+            raise ProtocolError("UNSUBSCRIBE with no Topic Filter [MQTT-3.10.3-2]")
+        raise MalformedPacket("UNSUBSCRIBE with no Topic Filter [MQTT-3.10.3-2]")
+    return Unsubscribe(packet_id, filters, props)
+
+
+def _decode_unsuback(body: bytes, version: int) -> Unsuback:
+    packet_id, pos = decode_u16(body, 0)
+    if version != MQTT_5:
+        _check_end(pos, body)
+        return Unsuback(packet_id)
+    props, pos = decode_properties(body, pos, UNSUBACK)
+    return Unsuback(packet_id, list(body[pos:]), props)
+
+
+def _decode_reason_and_props(body: bytes, packet_type: int) -> tuple[int, Properties]:
+    if not body:
+        return 0, {}
+    reason = body[0]
+    if reason not in _VALID_REASONS:
+        raise MalformedPacket(f"{PACKET_NAMES[packet_type]} with unknown Reason Code 0x{reason:02X}")
+    props: Properties = {}
+    pos = 1
+    if len(body) > 1:
+        props, pos = decode_properties(body, 1, packet_type)
+    _check_end(pos, body)
+    return reason, props
+
+
+def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
+    """Decode one control packet from its first byte and its body (the bytes after the Remaining Length).
+
+    Args:
+        first_byte: packet type (high nibble) and flags (low nibble).
+        body: exactly Remaining Length bytes.
+        version: the connection's Protocol Level (3, 4 or 5); ignored for CONNECT, which carries its own.
+
+    Raises:
+        MalformedPacket: reserved type 0, wrong fixed header flags [MQTT-2.1.3-1], lengths that do not add up,
+            bad strings, bad properties.
+        ProtocolError: well-formed but forbidden content (wildcards in a PUBLISH Topic Name, duplicate
+            properties, AUTH on 3.1.1, ...).
+        UnsupportedProtocolVersion: a CONNECT with an unknown Protocol Name or Level.
+    """
+    ptype = first_byte >> 4
+    flags = first_byte & 0x0F
+    if ptype == PUBLISH:
+        return _decode_publish(flags, body, version)
+    if ptype == 0:
+        raise MalformedPacket("reserved control packet type 0 (MQTT 5.0 §2.1.2)")
+    if flags != _REQUIRED_FLAGS[ptype]:
+        raise MalformedPacket(f"{PACKET_NAMES[ptype]} with invalid fixed header flags 0x{flags:X} [MQTT-2.1.3-1]")
+    if ptype == PUBACK:
+        return _decode_ack(PubAck, body, version)  # type: ignore[return-value]
+    if ptype == PUBREC:
+        return _decode_ack(PubRec, body, version)  # type: ignore[return-value]
+    if ptype == PUBREL:
+        return _decode_ack(PubRel, body, version)  # type: ignore[return-value]
+    if ptype == PUBCOMP:
+        return _decode_ack(PubComp, body, version)  # type: ignore[return-value]
+    if ptype == CONNECT:
+        return _decode_connect(body)
+    if ptype == SUBSCRIBE:
+        return _decode_subscribe(body, version)
+    if ptype == UNSUBSCRIBE:
+        return _decode_unsubscribe(body, version)
+    if ptype == PINGREQ or ptype == PINGRESP:
+        if body:
+            raise MalformedPacket(f"{PACKET_NAMES[ptype]} with a non-empty body")
+        return PingReq() if ptype == PINGREQ else PingResp()
+    if ptype == DISCONNECT:
+        if version != MQTT_5:
+            _check_end(0, body)
+            return Disconnect()
+        reason, props = _decode_reason_and_props(body, DISCONNECT)
+        return Disconnect(reason, props)
+    if ptype == AUTH:
+        if version != MQTT_5:
+            raise MalformedPacket("AUTH does not exist in MQTT 3.1.1 (type 15 is reserved)")
+        reason, props = _decode_reason_and_props(body, AUTH)
+        return Auth(reason, props)
+    if ptype == CONNACK:
+        return _decode_connack(body, version)
+    if ptype == SUBACK:
+        return _decode_suback(body, version)
+    return _decode_unsuback(body, version)

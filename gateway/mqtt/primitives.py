@@ -1,0 +1,154 @@
+"""MQTT data representations (MQTT 5.0 §1.5, MQTT 3.1.1 §1.5): integers, strings, binary data, VBIs.
+
+Decoders take ``(buf, pos)`` and return ``(value, new_pos)``; they raise :class:`MalformedPacket` when the
+bytes run out or break a rule. Encoders return ``bytes``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from gateway.mqtt.errors import MalformedPacket
+
+_U16 = struct.Struct("!H")
+_U32 = struct.Struct("!I")
+
+#: Largest value a Variable Byte Integer can hold (MQTT 5.0 §1.5.5): 268,435,455.
+VBI_MAX = 268_435_455
+
+
+def encode_vbi(value: int) -> bytes:
+    """Encode a Variable Byte Integer (1-4 bytes, MQTT 5.0 §1.5.5, MQTT 3.1.1 §2.2.3).
+
+    Raises:
+        ValueError: ``value`` is negative or above :data:`VBI_MAX`.
+    """
+    if value < 128:
+        if value < 0:
+            raise ValueError(f"Variable Byte Integer must be >= 0, got {value}")
+        return bytes((value,))
+    if value > VBI_MAX:
+        raise ValueError(f"Variable Byte Integer must be <= {VBI_MAX}, got {value}")
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def decode_vbi(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """Decode a Variable Byte Integer at ``pos``.
+
+    Raises:
+        MalformedPacket: more than 4 bytes [MQTT-1.5.5-1], or the buffer ends inside it.
+    """
+    value = 0
+    shift = 0
+    end = len(buf)
+    for _ in range(4):
+        if pos >= end:
+            raise MalformedPacket("Variable Byte Integer runs past the end of the packet")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise MalformedPacket("Variable Byte Integer longer than 4 bytes [MQTT-1.5.5-1]")
+
+
+def encode_u16(value: int) -> bytes:
+    """Encode a Two Byte Integer (big-endian, MQTT 5.0 §1.5.2)."""
+    return _U16.pack(value)
+
+
+def decode_u16(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """Decode a Two Byte Integer. Raises :class:`MalformedPacket` when fewer than 2 bytes remain."""
+    if pos + 2 > len(buf):
+        raise MalformedPacket("Two Byte Integer runs past the end of the packet")
+    return (buf[pos] << 8) | buf[pos + 1], pos + 2
+
+
+def encode_u32(value: int) -> bytes:
+    """Encode a Four Byte Integer (big-endian, MQTT 5.0 §1.5.3)."""
+    return _U32.pack(value)
+
+
+def decode_u32(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """Decode a Four Byte Integer. Raises :class:`MalformedPacket` when fewer than 4 bytes remain."""
+    if pos + 4 > len(buf):
+        raise MalformedPacket("Four Byte Integer runs past the end of the packet")
+    return _U32.unpack_from(buf, pos)[0], pos + 4
+
+
+def encode_binary(value: bytes) -> bytes:
+    """Encode Binary Data: a 2-byte length then the bytes (MQTT 5.0 §1.5.6), at most 65,535 bytes.
+
+    Raises:
+        ValueError: longer than 65,535 bytes.
+    """
+    if len(value) > 0xFFFF:
+        raise ValueError(f"Binary Data is limited to 65535 bytes, got {len(value)}")
+    return _U16.pack(len(value)) + value
+
+
+def decode_binary(buf: bytes | memoryview, pos: int) -> tuple[bytes, int]:
+    """Decode Binary Data. Raises :class:`MalformedPacket` when the declared length runs past the end."""
+    if pos + 2 > len(buf):
+        raise MalformedPacket("Binary Data length runs past the end of the packet")
+    length = (buf[pos] << 8) | buf[pos + 1]
+    start = pos + 2
+    end = start + length
+    if end > len(buf):
+        raise MalformedPacket("Binary Data runs past the end of the packet")
+    return bytes(buf[start:end]), end
+
+
+def encode_string(value: str) -> bytes:
+    """Encode a UTF-8 Encoded String (MQTT 5.0 §1.5.4, MQTT 3.1.1 §1.5.3).
+
+    Raises:
+        ValueError: longer than 65,535 bytes once encoded.
+    """
+    data = value.encode("utf-8")
+    if len(data) > 0xFFFF:
+        raise ValueError(f"UTF-8 Encoded String is limited to 65535 bytes, got {len(data)}")
+    return _U16.pack(len(data)) + data
+
+
+def check_string(value: str) -> None:
+    """Check the content rules of a UTF-8 Encoded String.
+
+    Raises:
+        MalformedPacket: U+0000 [MQTT-1.5.4-2] or a surrogate code point [MQTT-1.5.4-1].
+    """
+    if "\x00" in value:
+        raise MalformedPacket("UTF-8 Encoded String contains U+0000 [MQTT-1.5.4-2]")
+
+
+def decode_string(buf: bytes | memoryview, pos: int) -> tuple[str, int]:
+    """Decode a UTF-8 Encoded String.
+
+    Raises:
+        MalformedPacket: the bytes are not well-formed UTF-8 (which includes encoded surrogates)
+            [MQTT-1.5.4-1], contain U+0000 [MQTT-1.5.4-2], or run past the end of the packet.
+    """
+    if pos + 2 > len(buf):
+        raise MalformedPacket("UTF-8 Encoded String length runs past the end of the packet")
+    length = (buf[pos] << 8) | buf[pos + 1]
+    start = pos + 2
+    end = start + length
+    if end > len(buf):
+        raise MalformedPacket("UTF-8 Encoded String runs past the end of the packet")
+    raw = bytes(buf[start:end])
+    try:
+        value = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedPacket(f"invalid UTF-8 in a UTF-8 Encoded String [MQTT-1.5.4-1]: {exc.reason}") from None
+    if "\x00" in value:
+        raise MalformedPacket("UTF-8 Encoded String contains U+0000 [MQTT-1.5.4-2]")
+    return value, end
