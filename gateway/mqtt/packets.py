@@ -622,7 +622,7 @@ def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
         return _decode_subscribe(body, version)
     if ptype == UNSUBSCRIBE:
         return _decode_unsubscribe(body, version)
-    if ptype == PINGREQ or ptype == PINGRESP:
+    if ptype in (PINGREQ, PINGRESP):
         if body:
             raise MalformedPacket(f"{PACKET_NAMES[ptype]} with a non-empty body")
         return PingReq() if ptype == PINGREQ else PingResp()

@@ -42,7 +42,7 @@ class SharedFilter(NamedTuple):
     topic_filter: str
 
 
-def parse_shared(topic_filter: str) -> SharedFilter | None | str:
+def parse_shared(topic_filter: str) -> SharedFilter | str | None:
     """Split a Shared Subscription filter.
 
     Returns:
