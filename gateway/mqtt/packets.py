@@ -642,3 +642,22 @@ def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
     if ptype == SUBACK:
         return _decode_suback(body, version)
     return _decode_unsuback(body, version)
+
+
+def encode_publish_parts(
+    topic: str, payload: bytes, qos: int, retain: bool, properties: Properties | None, version: int
+) -> tuple[bytes, bytes]:
+    """Encode a PUBLISH as ``(head, tail)`` so that ``head + packet_id + tail`` (QoS 1/2) or ``head + tail``
+    (QoS 0) is the whole packet; the parts are reused across subscribers (one encode per variant).
+
+    Set DUP by OR-ing 0x08 into ``head[0]``. MQTT 5.0 §3.3.
+    """
+    topic_b = topic.encode("utf-8")
+    props = encode_properties(properties) if version == MQTT_5 else b""
+    length = 2 + len(topic_b) + (2 if qos else 0) + len(props) + len(payload)
+    first = 0x30 | (qos << 1) | (1 if retain else 0)
+    if length < 128:
+        head = bytes((first, length, len(topic_b) >> 8, len(topic_b) & 0xFF)) + topic_b
+    else:
+        head = bytes((first,)) + encode_vbi(length) + len(topic_b).to_bytes(2, "big") + topic_b
+    return head, props + payload

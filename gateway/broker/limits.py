@@ -1,0 +1,79 @@
+"""Per-listener (zone) limits and broker-wide settings, with EMQX's names and defaults.
+
+Durations are seconds (``float``/``int``); sizes are bytes; lengths are messages. Source: seeds 000-004 and
+DESIGN.md §3 (``max_inflight`` 32 external / 128 internal, ``max_mqueue_len`` 1000 / 10000, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(slots=True)
+class ZoneLimits:
+    """Limits one listener (zone) applies to each of its client connections.
+
+    Attributes:
+        max_inflight: Inflight Window length, messages; 0 = no limit (then 65535, the MQTT maximum);
+            an MQTT 5 client's Receive Maximum caps it (seed 000).
+        max_mqueue_len: Message Queue length, messages; 0 = no limit. When full the oldest message is
+            dropped, a QoS 0 one first (seed 000).
+        mqueue_store_qos0: queue QoS 0 messages for an offline persistent session (seed 000).
+        retry_interval: seconds after which an unacknowledged PUBLISH is re-sent with DUP=1 to a 3.1.1
+            client in the same connection; 0 = only on reconnect. Never used for 5.0 [MQTT-4.4.0-1].
+        max_awaiting_rel: inbound QoS 2 messages awaiting PUBREL per client; also the Receive Maximum the
+            broker announces to 5.0 clients (MQTT 5.0 §3.2.2.3.3); excess -> DISCONNECT 0x93.
+        await_rel_timeout: seconds an inbound QoS 2 message may wait for its PUBREL before it is dropped.
+        max_keepalive: largest Keep Alive, seconds, honoured for 5.0 clients (Server Keep Alive); 0 = any.
+        session_expiry_interval: longest Session Expiry Interval, seconds, granted to a 5.0 client, and the
+            expiry of a 3.1.1 Clean Session = 0 session; 0 = sessions end on disconnect.
+        message_expiry_interval: seconds a queued message waits for an offline client when the publisher gave
+            no Message Expiry Interval; 0 = never expires (seed 004).
+        max_packet_size: largest packet accepted from a client, bytes (MQTT 5.0 Maximum Packet Size).
+        topic_alias_maximum: Topic Alias Maximum announced to 5.0 clients (inbound aliases); 0 = none.
+        connect_timeout: seconds a new connection may take to send its CONNECT.
+        max_clientid_len: longest Client Identifier accepted, characters.
+    """
+
+    max_inflight: int = 32
+    max_mqueue_len: int = 1000
+    mqueue_store_qos0: bool = True
+    retry_interval: float = 0.0
+    max_awaiting_rel: int = 100
+    await_rel_timeout: float = 300.0
+    max_keepalive: int = 0
+    session_expiry_interval: float = 7200.0
+    message_expiry_interval: float = 300.0
+    max_packet_size: int = 1024 * 1024
+    topic_alias_maximum: int = 10
+    connect_timeout: float = 10.0
+    max_clientid_len: int = 65535
+
+    def window(self, receive_maximum: int | None) -> int:
+        """The Inflight Window length for a client: ``max_inflight`` capped by its Receive Maximum (seed 000)."""
+        limit = self.max_inflight or 65535
+        if receive_maximum is not None and receive_maximum < limit:
+            return receive_maximum
+        return limit
+
+
+#: EMQX's defaults for the two zones (seed 000): the external listener faces untrusted apps, the internal
+#: one (loopback, firmware-bridge) carries the gateway's own bulk traffic.
+EXTERNAL = ZoneLimits()
+INTERNAL = replace(EXTERNAL, max_inflight=128, max_mqueue_len=10000)
+
+ZONE_DEFAULTS: dict[str, ZoneLimits] = {"external": EXTERNAL, "internal": INTERNAL}
+
+
+@dataclass(slots=True)
+class BrokerSettings:
+    """Broker-wide settings.
+
+    Attributes:
+        sys_interval: seconds between ``$SYS/broker/...`` updates; 0 = never.
+        retain_available: whether retained messages are supported (MQTT 5.0 §3.2.2.3.5).
+    """
+
+    sys_interval: float = 10.0
+    retain_available: bool = True
+    zones: dict[str, ZoneLimits] = field(default_factory=lambda: dict(ZONE_DEFAULTS))

@@ -1,0 +1,73 @@
+"""Application Messages and their per-subscriber deliveries.
+
+A :class:`Message` is stored once; every :class:`Delivery` (queue entry or Inflight Window slot) references it
+(DESIGN.md §4: payloads are stored once and referenced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.mqtt.properties import Properties
+
+#: A Delivery waits for PUBACK (QoS 1) or PUBREC (QoS 2).
+AWAIT_ACK = 0
+#: A QoS 2 Delivery whose PUBREC arrived: PUBREL sent, PUBCOMP awaited (MQTT 5.0 §4.3.3).
+AWAIT_COMP = 1
+
+
+@dataclass(slots=True, eq=False)
+class Message:
+    """One Application Message as the broker received it.
+
+    Attributes:
+        mid: broker-unique id, increasing in arrival order (store key).
+        topic, payload (bytes), qos (0-2), retain: as published.
+        properties: the PUBLISH properties to pass through (Topic Alias and Subscription Identifier removed;
+            Message Expiry Interval recomputed when sent, MQTT 5.0 §3.3.2.3.3).
+        expires_at: wall-clock seconds after which the message is not delivered, or ``None`` (publisher's
+            Message Expiry Interval).
+        received_at: wall-clock seconds of arrival.
+        sender: the publishing Client Identifier (for No Local), or ``None`` for the broker itself.
+    """
+
+    mid: int
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    properties: Properties
+    received_at: float
+    expires_at: float | None = None
+    sender: str | None = None
+
+    def expired(self, now: float) -> bool:
+        """True once ``now`` (wall-clock seconds) is past the message's expiry."""
+        return self.expires_at is not None and now >= self.expires_at
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """One message on its way to one session: a Message Queue entry, then an Inflight Window slot.
+
+    Attributes:
+        qos: delivered QoS = min(publish QoS, subscription QoS) (seed 003).
+        retain: the RETAIN flag to send (Retain As Published, MQTT 5.0 §3.3.1.3).
+        sub_ids: Subscription Identifiers of the matching subscriptions [MQTT-3.3.4-3].
+        packet_id: assigned when the delivery enters the Inflight Window.
+        state: :data:`AWAIT_ACK` or :data:`AWAIT_COMP`.
+        sent_at: wall-clock seconds of the last send (for ``retry_interval``).
+        expires_at: the message's own expiry or the queue's ``message_expiry_interval`` deadline.
+        dropped: set when the Message Queue dropped it (lazy removal).
+    """
+
+    message: Message
+    qos: int
+    retain: bool = False
+    sub_ids: list[int] = field(default_factory=list)
+    packet_id: int = 0
+    state: int = AWAIT_ACK
+    sent_at: float = 0.0
+    expires_at: float | None = None
+    dropped: bool = False
+    seq: int = 0

@@ -1,0 +1,166 @@
+"""Sessions and connections: the per-client state of MQTT 5.0 §4.1 (Session State) and the per-connection
+protocol state (Keep Alive, Topic Aliases, limits negotiated in CONNECT/CONNACK).
+
+A :class:`Session` outlives its :class:`Connection` when it is persistent (Clean Session = 0 / Session Expiry
+Interval > 0); it holds the Inflight Window (in memory), the Message Queue, inbound QoS 2 state and the
+subscriptions (seeds 000-004).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.broker.limits import ZoneLimits
+from gateway.broker.message import Delivery, Message
+from gateway.broker.mqueue import MessageQueue
+from gateway.broker.routing import SubscriptionRecord
+from gateway.mqtt.framing import PacketReader
+from gateway.mqtt.packets import Will
+
+#: Session Expiry Interval meaning "never expires" (MQTT 5.0 §3.1.2.11.2).
+NEVER = 0xFFFFFFFF
+
+# Connection states.
+AWAITING_CONNECT = 0
+CONNECTED = 1
+CLOSED = 2
+
+
+class Session:
+    """The Server's Session State for one Client Identifier (MQTT 5.0 §4.1).
+
+    Attributes:
+        expiry_interval: Session Expiry Interval, seconds (:data:`NEVER` = forever, 0 = ends with the connection).
+        inflight: Inflight Window, Packet Identifier -> Delivery, in send order (in memory; rebuilt from the
+            store on start).
+        mqueue: the Message Queue.
+        awaiting_rel: inbound QoS 2 messages received and PUBRECed, awaiting PUBREL (seed 003), with arrival
+            times for ``await_rel_timeout``.
+        expires_at: wall-clock seconds when an offline session ends, else ``None``.
+        will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.
+    """
+
+    __slots__ = (
+        "awaiting_rel",
+        "client_id",
+        "conn",
+        "expires_at",
+        "expiry_interval",
+        "inflight",
+        "limits",
+        "mqueue",
+        "next_packet_id",
+        "protocol_level",
+        "subscriptions",
+        "will",
+        "will_at",
+    )
+
+    def __init__(self, client_id: str, limits: ZoneLimits, expiry_interval: float = 0) -> None:
+        self.client_id = client_id
+        self.limits = limits
+        self.expiry_interval = expiry_interval
+        self.subscriptions: dict[str, SubscriptionRecord] = {}
+        self.inflight: dict[int, Delivery] = {}
+        self.mqueue = MessageQueue(limits.max_mqueue_len)
+        self.awaiting_rel: dict[int, tuple[Message, float]] = {}
+        self.next_packet_id = 1
+        self.conn: Connection | None = None
+        self.expires_at: float | None = None
+        self.will: Will | None = None
+        self.will_at: float | None = None
+        self.protocol_level = 4
+
+    @property
+    def persistent(self) -> bool:
+        """True when the session outlives its Network Connection."""
+        return self.expiry_interval > 0
+
+    def allocate_packet_id(self) -> int:
+        """A Packet Identifier not in use by this session's Inflight Window [MQTT-2.2.1-2].
+
+        Raises:
+            RuntimeError: all 65535 identifiers are in use (cannot happen with a window <= 65535).
+        """
+        inflight = self.inflight
+        pid = self.next_packet_id
+        for _ in range(65535):
+            nxt = pid + 1 if pid < 65535 else 1
+            if pid not in inflight:
+                self.next_packet_id = nxt
+                return pid
+            pid = nxt
+        raise RuntimeError("no free Packet Identifier")
+
+    def __repr__(self) -> str:
+        return f"<Session {self.client_id!r} inflight={len(self.inflight)} queued={len(self.mqueue)}>"
+
+
+class Connection:
+    """One Network Connection's protocol state. The I/O layer owns ``transport`` and drains ``out``.
+
+    Attributes:
+        out: encoded packets waiting to be written, in order (written in one call per loop turn).
+        close_after_flush: the broker wants the connection closed once ``out`` is written.
+        version: Protocol Level (3, 4 or 5) once CONNECT arrived.
+        keep_alive: seconds; the connection is closed after 1.5x without a packet [MQTT-3.1.2-22 (5.0)].
+        window: Inflight Window length for this connection (max_inflight capped by Receive Maximum).
+        max_packet_size: the client's Maximum Packet Size, bytes (5.0), or ``None``.
+        topic_alias_max: the client's Topic Alias Maximum (outbound aliases we may use).
+        aliases_in / aliases_out: Topic Alias mappings of this connection (MQTT 5.0 §3.3.2.3.4).
+        inbound_pending: QoS 1/2 PUBLISHes received and not yet acknowledged (Receive Maximum accounting).
+    """
+
+    __slots__ = (
+        "aliases_in",
+        "aliases_out",
+        "client_id",
+        "close_after_flush",
+        "connected_at",
+        "inbound_pending",
+        "keep_alive",
+        "last_rx",
+        "limits",
+        "listener",
+        "max_packet_size",
+        "opened_at",
+        "out",
+        "peer",
+        "reader",
+        "request_problem_info",
+        "session",
+        "state",
+        "topic_alias_max",
+        "transport",
+        "version",
+        "will",
+        "window",
+    )
+
+    def __init__(self, limits: ZoneLimits, listener: str, peer: str, now: float) -> None:
+        self.limits = limits
+        self.listener = listener
+        self.peer = peer
+        self.reader = PacketReader(limits.max_packet_size)
+        self.out: list[bytes] = []
+        self.close_after_flush = False
+        self.state = AWAITING_CONNECT
+        self.version = 4
+        self.client_id = ""
+        self.session: Session | None = None
+        self.keep_alive = 0
+        self.opened_at = now
+        self.connected_at = now
+        self.last_rx = now
+        self.window = limits.window(None)
+        self.max_packet_size: int | None = None
+        self.topic_alias_max = 0
+        self.aliases_in: dict[int, str] = {}
+        self.aliases_out: dict[str, int] = {}
+        self.inbound_pending = 0
+        self.will: Will | None = None
+        self.request_problem_info = True
+        self.transport: Any = None
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"

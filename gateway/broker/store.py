@@ -1,0 +1,136 @@
+"""The store interface the broker needs for durable state, and the in-memory implementation.
+
+The broker calls these hooks for persistent sessions only (Clean Session = 0 / Session Expiry Interval > 0)
+and for retained messages; clean sessions never touch the store (DESIGN.md §4). Acknowledgements of work that
+must be durable (PUBACK, PUBREC, SUBACK) are sent from :meth:`SessionStore.when_durable` callbacks, which run in
+the order they were registered once everything recorded before them is committed.
+
+``gateway/store/`` implements this on LMDB; :class:`MemoryStore` keeps nothing and runs callbacks at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gateway.broker.message import Delivery, Message
+    from gateway.broker.routing import SubscriptionRecord
+    from gateway.broker.session import Session
+
+
+@dataclass(slots=True)
+class LoadedState:
+    """What a store hands back on start: persistent sessions (with subscriptions, queues, inflight and inbound
+    QoS 2 state rebuilt) and retained messages."""
+
+    sessions: list[Session] = field(default_factory=list)
+    retained: list[Message] = field(default_factory=list)
+    next_mid: int = 1
+
+
+class SessionStore(Protocol):
+    """Durable state hooks. Every method records a change; nothing is durable until a commit."""
+
+    def load(self, now: float) -> LoadedState:
+        """Everything stored, with expired sessions and messages removed (``now``: wall-clock seconds)."""
+        ...
+
+    def session_saved(self, session: Session) -> None:
+        """A persistent session was created or its expiry, will or flags changed."""
+        ...
+
+    def session_deleted(self, client_id: str) -> None:
+        """A persistent session ended (expired, Clean Start, or became non-persistent): drop all its state."""
+        ...
+
+    def subscription_saved(self, client_id: str, record: SubscriptionRecord) -> None:
+        """A subscription was added or replaced."""
+        ...
+
+    def subscription_deleted(self, client_id: str, key: str) -> None:
+        """A subscription (``key`` as the client wrote the filter) was removed."""
+        ...
+
+    def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
+        """A delivery was queued, or its Packet Identifier or QoS 2 state changed."""
+        ...
+
+    def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
+        """A delivery completed, expired or was dropped."""
+        ...
+
+    def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
+        """An inbound QoS 2 message now awaits its PUBREL."""
+        ...
+
+    def inbound_deleted(self, client_id: str, packet_id: int) -> None:
+        """An inbound QoS 2 Packet Identifier was released."""
+        ...
+
+    def retained_saved(self, message: Message) -> None:
+        """``message`` is now its topic's retained message."""
+        ...
+
+    def retained_deleted(self, topic: str) -> None:
+        """The topic's retained message was cleared."""
+        ...
+
+    def when_durable(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once everything recorded so far is committed (FIFO with other callbacks)."""
+        ...
+
+    def has_room(self, client_id: str | None) -> bool:
+        """Whether new durable work for ``client_id`` (a publisher) may be accepted (store not full)."""
+        ...
+
+    def close(self) -> None:
+        """Commit what is pending and release the store."""
+        ...
+
+
+class MemoryStore:
+    """A :class:`SessionStore` that keeps nothing: sessions live only in the broker's memory."""
+
+    def load(self, now: float) -> LoadedState:
+        return LoadedState()
+
+    def session_saved(self, session: Session) -> None:
+        pass
+
+    def session_deleted(self, client_id: str) -> None:
+        pass
+
+    def subscription_saved(self, client_id: str, record: SubscriptionRecord) -> None:
+        pass
+
+    def subscription_deleted(self, client_id: str, key: str) -> None:
+        pass
+
+    def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
+        pass
+
+    def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
+        pass
+
+    def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
+        pass
+
+    def inbound_deleted(self, client_id: str, packet_id: int) -> None:
+        pass
+
+    def retained_saved(self, message: Message) -> None:
+        pass
+
+    def retained_deleted(self, topic: str) -> None:
+        pass
+
+    def when_durable(self, callback: Callable[[], None]) -> None:
+        callback()
+
+    def has_room(self, client_id: str | None) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

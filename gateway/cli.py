@@ -1,0 +1,127 @@
+"""The ``edge-gateway`` command (also ``python -m gateway``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from gateway import __version__
+from gateway.server.config import DEFAULT_BIND, ConfigError, read_config
+
+EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): systemd units can refuse to restart on it
+EXIT_BIND = 1
+
+DESCRIPTION = f"""\
+edge-gateway {__version__}: an MQTT 3.1.1 + 5.0 broker for field gateways.
+
+Quick start:
+  edge-gateway serve                      serve on {DEFAULT_BIND} with the built-in defaults
+  edge-gateway serve --config gw.toml     serve the listeners in gw.toml
+  edge-gateway check-config gw.toml       validate a config file; every bad key is named
+
+Try it (with mosquitto-clients installed):
+  mosquitto_sub -h 127.0.0.1 -t 'sensors/#' -v &
+  mosquitto_pub -h 127.0.0.1 -t sensors/demo -m hello
+"""
+
+SERVE_EPILOG = """\
+Config file (TOML), e.g. /etc/edge-gateway/gateway.toml:
+
+  [broker]
+  sys_interval = "10s"            # $SYS/broker/... updates; 0 = off
+  log_level = "info"              # debug, info, warning, error
+
+  [listeners.external]            # zone limits follow EMQX's names and defaults
+  bind = "0.0.0.0:1883"           # "host:port" or a Unix socket path
+  max_inflight = 32               # Inflight Window; an MQTT 5 Receive Maximum caps it
+  max_mqueue_len = 1000           # Message Queue; when full the oldest (QoS 0 first) is dropped
+  mqueue_store_qos0 = true        # queue QoS 0 for offline persistent sessions
+  session_expiry_interval = "2h"  # longest a session outlives its connection
+  message_expiry_interval = "5m"  # how long a queued message waits; 0 = forever
+
+  [listeners.internal]
+  bind = "127.0.0.1:1884"         # internal zone defaults: max_inflight 128, max_mqueue_len 10000
+
+Signals: SIGTERM/SIGINT stop accepting, send DISCONNECT 0x8B to MQTT 5 clients and exit 0.
+Exit codes: 0 clean stop, 1 a listener could not bind, 78 the configuration is invalid.
+"""
+
+
+def _setup_logging(level: str) -> None:
+    if os.environ.get("JOURNAL_STREAM"):
+        fmt = "%(levelname)s %(name)s: %(message)s"  # journald adds the time
+    else:
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr, force=True)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server.runner import BindError, serve
+
+    try:
+        config = read_config(args.config)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    _setup_logging(args.log_level or config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except BindError as exc:
+        print(f"edge-gateway: {exc}", file=sys.stderr)
+        return EXIT_BIND
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = read_config(args.path)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"{exc.source}: {line}", file=sys.stderr)
+        print(f"{exc.source}: {len(exc.errors)} error(s)", file=sys.stderr)
+        return 1
+    for lc in config.listeners:
+        print(f"listener {lc.name}: bind {lc.bind}, max_inflight {lc.limits.max_inflight}, "
+              f"max_mqueue_len {lc.limits.max_mqueue_len}")
+    print(f"{config.source}: OK")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (subcommands ``serve``, ``check-config``, ``version``)."""
+    parser = argparse.ArgumentParser(prog="edge-gateway", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"edge-gateway {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the broker", description="Run the MQTT broker.",
+                           epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--config", "-c", metavar="PATH", help=f"TOML config file (default: serve on {DEFAULT_BIND})")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override broker.log_level")
+    serve.set_defaults(func=_cmd_serve)
+    check = sub.add_parser("check-config", help="validate a config file without starting",
+                           description="Validate a config file; print every bad key and value; exit 1 if any.")
+    check.add_argument("path", metavar="PATH")
+    check.set_defaults(func=_cmd_check_config)
+    version = sub.add_parser("version", help="print the version")
+    version.set_defaults(func=lambda _a: print(f"edge-gateway {__version__}") or 0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""The TOML configuration (``/etc/edge-gateway/gateway.toml``): parse, validate, explain every mistake.
+
+Layout (DESIGN.md §6)::
+
+    [broker]
+    sys_interval = "10s"        # $SYS update period; 0 = off
+    log_level = "info"
+
+    [listeners.external]        # a named zone; "external" and "internal" carry EMQX's defaults
+    bind = "0.0.0.0:1883"       # "host:port", "[::1]:1883" or a Unix socket path ("/run/edge-gateway/mqtt.sock")
+    max_inflight = 32
+    max_mqueue_len = 1000
+
+    [listeners.internal]
+    bind = "127.0.0.1:1884"
+    max_inflight = 128
+
+Durations accept seconds as a number or "30s", "5m", "2h", "7d" (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
+
+DEFAULT_BIND = "127.0.0.1:1883"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(Exception):
+    """One or more configuration mistakes; ``errors`` holds one line per mistake, each naming the key, the
+    value and what is allowed."""
+
+    def __init__(self, errors: list[str], source: str = "config") -> None:
+        self.errors = errors
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(errors))
+
+
+@dataclass(slots=True)
+class ListenerConfig:
+    """One listener: where it binds and the zone limits for its connections.
+
+    Attributes:
+        name: the table name under ``[listeners]``.
+        bind: ``host:port`` (TCP) or an absolute path (Unix socket).
+    """
+
+    name: str
+    bind: str
+    limits: ZoneLimits
+
+    @property
+    def is_unix(self) -> bool:
+        """True when ``bind`` is a Unix socket path."""
+        return self.bind.startswith("/") or self.bind.startswith("./")
+
+    def host_port(self) -> tuple[str, int]:
+        """``(host, port)`` of a TCP bind; IPv6 hosts in brackets are unwrapped."""
+        host, _, port = self.bind.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return host, int(port)
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """The whole configuration."""
+
+    listeners: list[ListenerConfig] = field(default_factory=list)
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    log_level: str = "info"
+    source: str = "<defaults>"
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string like ``"30s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"250ms"``.
+
+    Raises:
+        ValueError: anything else, or a negative number.
+    """
+    if isinstance(value, bool):
+        raise ValueError("not a duration")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("negative")
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2)]
+    raise ValueError("not a duration")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an integer or ``"512KB"``, ``"1MB"``, ``"2GB"`` (powers of 1024)."""
+    if isinstance(value, bool):
+        raise ValueError("not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("negative")
+        return value
+    if isinstance(value, str):
+        m = re.match(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", value, re.IGNORECASE)
+        if m:
+            unit = (m.group(2) or "B").upper().replace("I", "")
+            return int(m.group(1)) * {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[unit]
+    raise ValueError("not a size")
+
+
+# key -> (kind, low, high, description of what is allowed)
+_LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
+    "max_inflight": ("int", 0, 65535, "an integer 0..65535 (0 = no limit)"),
+    "max_mqueue_len": ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"),
+    "mqueue_store_qos0": ("bool", 0, 1, "true or false"),
+    "retry_interval": ("duration", 0, 86400, 'a duration such as "30s" (0 = off)'),
+    "max_awaiting_rel": ("int", 1, 65535, "an integer 1..65535"),
+    "await_rel_timeout": ("duration", 0, 7 * 86400, 'a duration such as "300s" (0 = never)'),
+    "max_keepalive": ("int", 0, 65535, "an integer 0..65535 seconds (0 = any)"),
+    "session_expiry_interval": ("duration", 0, 0xFFFFFFFF, 'a duration such as "2h" (0 = end on disconnect)'),
+    "message_expiry_interval": ("duration", 0, 0xFFFFFFFF, 'a duration such as "5m" (0 = never)'),
+    "max_packet_size": ("size", 16, 268_435_460, 'a size 16 B..256 MB such as "1MB"'),
+    "topic_alias_maximum": ("int", 0, 65535, "an integer 0..65535 (0 = no aliases)"),
+    "connect_timeout": ("duration", 1, 3600, 'a duration such as "10s"'),
+    "max_clientid_len": ("int", 23, 65535, "an integer 23..65535"),
+}
+_LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
+_BROKER_KEYS = {"sys_interval", "log_level", "retain_available"}
+_TOP_KEYS = {"broker", "listeners", "store", "upstream"}
+
+
+def _check_value(where: str, key: str, value: Any, errors: list[str]) -> Any:
+    kind, low, high, allowed = _LIMIT_KEYS[key]
+    try:
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError
+            parsed: Any = value
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        elif kind == "duration":
+            parsed = parse_duration(value)
+        else:
+            parsed = parse_size(value)
+        if not low <= parsed <= high:
+            raise ValueError
+    except ValueError:
+        errors.append(f"{where}.{key} = {value!r}: must be {allowed}")
+        return None
+    return parsed
+
+
+def _check_bind(where: str, value: Any, errors: list[str]) -> str | None:
+    if not isinstance(value, str) or not value:
+        errors.append(f'{where}.bind = {value!r}: must be "host:port" or a Unix socket path')
+        return None
+    if value.startswith("/") or value.startswith("./"):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        errors.append(f'{where}.bind = {value!r}: must be "host:port" (port 0..65535) or a Unix socket path')
+        return None
+    return value
+
+
+def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig:
+    """Validate a parsed TOML document and build a :class:`GatewayConfig`.
+
+    Raises:
+        ConfigError: listing every unknown key and bad value.
+    """
+    errors: list[str] = []
+    for key in data:
+        if key not in _TOP_KEYS:
+            errors.append(f"{key}: unknown section; allowed: {', '.join(sorted(_TOP_KEYS))}")
+    cfg = GatewayConfig(source=source)
+    broker = data.get("broker", {})
+    if not isinstance(broker, dict):
+        errors.append("broker: must be a table")
+        broker = {}
+    for key, value in broker.items():
+        if key not in _BROKER_KEYS:
+            errors.append(f"broker.{key}: unknown key; allowed: {', '.join(sorted(_BROKER_KEYS))}")
+        elif key == "sys_interval":
+            try:
+                cfg.broker.sys_interval = parse_duration(value)
+            except ValueError:
+                errors.append(f'broker.sys_interval = {value!r}: must be a duration such as "10s" (0 = off)')
+        elif key == "log_level":
+            if value not in LOG_LEVELS:
+                errors.append(f"broker.log_level = {value!r}: must be one of {', '.join(LOG_LEVELS)}")
+            else:
+                cfg.log_level = value
+        elif key == "retain_available":
+            if not isinstance(value, bool):
+                errors.append(f"broker.retain_available = {value!r}: must be true or false")
+            else:
+                cfg.broker.retain_available = value
+    listeners = data.get("listeners")
+    if listeners is None:
+        listeners = {"external": {"bind": DEFAULT_BIND}}
+    if not isinstance(listeners, dict) or not listeners:
+        errors.append("listeners: must hold at least one [listeners.<name>] table")
+        listeners = {}
+    for name, table in listeners.items():
+        where = f"listeners.{name}"
+        if not isinstance(table, dict):
+            errors.append(f"{where}: must be a table")
+            continue
+        zone = table.get("zone", name if name in ZONE_DEFAULTS else "external")
+        if zone not in ZONE_DEFAULTS:
+            errors.append(f"{where}.zone = {zone!r}: must be one of {', '.join(ZONE_DEFAULTS)}")
+            zone = "external"
+        limits = replace(ZONE_DEFAULTS[zone])
+        bind = None
+        if "bind" not in table:
+            errors.append(f'{where}.bind: missing; give "host:port" or a Unix socket path')
+        for key, value in table.items():
+            if key not in _LISTENER_KEYS:
+                errors.append(f"{where}.{key}: unknown key; allowed: {', '.join(sorted(_LISTENER_KEYS))}")
+            elif key == "bind":
+                bind = _check_bind(where, value, errors)
+            elif key == "zone":
+                continue
+            else:
+                parsed = _check_value(where, key, value, errors)
+                if parsed is not None:
+                    setattr(limits, key, parsed)
+        if bind is not None:
+            cfg.listeners.append(ListenerConfig(name, bind, limits))
+    cfg.broker.zones = {lc.name: lc.limits for lc in cfg.listeners}
+    if errors:
+        raise ConfigError(errors, source)
+    return cfg
+
+
+def read_config(path: str | Path | None) -> GatewayConfig:
+    """Read and validate the TOML file at ``path``; ``None`` gives the embedded default (one listener on
+    127.0.0.1:1883 with the external zone's limits).
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not TOML, or has bad keys or values.
+    """
+    if path is None:
+        return load_config({}, "<defaults>")
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"cannot read the file: {exc.strerror}"], str(p)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"not valid TOML: {exc}"], str(p)) from None
+    return load_config(data, str(p))
+
+
+def limit_names() -> list[str]:
+    """The per-listener limit keys, for ``--help``."""
+    return [f.name for f in fields(ZoneLimits)]

@@ -1,0 +1,134 @@
+"""The asyncio adapter between sockets and the sans-I/O :class:`~gateway.broker.broker.Broker`.
+
+Each connection's bytes go to the broker as they arrive; everything the broker wants written is sent once per
+loop turn per connection (one ``transport.write`` with all of that turn's packets), and connections the broker
+closed are closed after their last bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+from gateway.broker.broker import Broker
+from gateway.broker.limits import ZoneLimits
+from gateway.broker.session import Connection
+
+log = logging.getLogger("gateway.server")
+
+
+class BrokerIO:
+    """Owns the broker's I/O side: the flush scheduled once per loop turn and the one-second ticker."""
+
+    def __init__(self, broker: Broker, loop: asyncio.AbstractEventLoop) -> None:
+        self.broker = broker
+        self.loop = loop
+        self._flush_scheduled = False
+        self._ticker: asyncio.Task[None] | None = None
+        self.open_connections: set[MQTTProtocol] = set()
+        self.last_tick = time.monotonic()
+
+    def schedule_flush(self) -> None:
+        """Ask for one :meth:`flush` at the end of this loop turn."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write every dirty connection's pending packets in one call; close those the broker closed."""
+        self._flush_scheduled = False
+        dirty = self.broker.dirty
+        if not dirty:
+            return
+        conns = list(dirty)
+        dirty.clear()
+        for conn in conns:
+            transport = conn.transport
+            out = conn.out
+            if transport is None or transport.is_closing():
+                out.clear()
+                continue
+            if out:
+                transport.write(b"".join(out) if len(out) > 1 else out[0])
+                out.clear()
+            if conn.close_after_flush:
+                transport.close()
+
+    def start_ticker(self, interval: float = 1.0) -> None:
+        """Start the one task that runs all broker deadlines (Keep Alive, expiry, retries, $SYS)."""
+        self._ticker = self.loop.create_task(self._tick_forever(interval), name="broker-ticker")
+
+    async def _tick_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.last_tick = time.monotonic()
+            try:
+                self.broker.tick(time.time())
+            except Exception:  # a bug in one deadline must not stop the others
+                log.exception("broker tick failed")
+            self.flush()
+
+    async def stop_ticker(self) -> None:
+        """Cancel the ticker and wait for it."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            try:
+                await self._ticker
+            except asyncio.CancelledError:
+                pass
+            self._ticker = None
+
+
+class MQTTProtocol(asyncio.Protocol):
+    """One client connection on one listener."""
+
+    __slots__ = ("conn", "io", "limits", "listener")
+
+    def __init__(self, io: BrokerIO, limits: ZoneLimits, listener: str) -> None:
+        self.io = io
+        self.limits = limits
+        self.listener = listener
+        self.conn: Connection | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        peername = transport.get_extra_info("peername")
+        if isinstance(peername, tuple):
+            peer = f"{peername[0]}:{peername[1]}"
+        else:
+            peer = f"unix:{self.listener}"
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.conn = self.io.broker.open(self.limits, self.listener, peer, time.time())
+        self.conn.transport = transport
+        self.io.open_connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            self.io.broker.receive(conn, data, time.time())
+        except Exception:
+            # A bug must cost one connection, never the broker.
+            log.exception("internal error while handling %s; closing that connection", conn)
+            conn.transport.close()
+        self.io.schedule_flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.io.open_connections.discard(self)
+        conn = self.conn
+        if conn is None:
+            return
+        try:
+            self.io.broker.connection_lost(conn, time.time())
+        except Exception:
+            log.exception("internal error while closing %s", conn)
+        conn.transport = None
+        self.io.schedule_flush()

@@ -1,0 +1,98 @@
+"""Run the broker: bind the listeners, notify systemd, serve until SIGTERM/SIGINT, shut down cleanly.
+
+Shutdown: stop accepting, DISCONNECT every 5.0 client with 0x8B (Server shutting down), write what is pending,
+close the store, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+import sdnotify
+
+from gateway.broker.broker import Broker
+from gateway.server.config import GatewayConfig
+from gateway.server.protocol import BrokerIO, MQTTProtocol
+
+log = logging.getLogger("gateway.server")
+
+
+class BindError(Exception):
+    """A listener could not bind (address in use, permission denied, ...)."""
+
+
+async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set or SIGTERM/SIGINT arrives.
+
+    Raises:
+        BindError: a listener could not bind; nothing is left listening.
+    """
+    loop = asyncio.get_running_loop()
+    broker = Broker(config.broker, now=time.time())
+    io = BrokerIO(broker, loop)
+    servers: list[asyncio.base_events.Server] = []
+    try:
+        for listener in config.listeners:
+            def factory(lc=listener) -> MQTTProtocol:  # type: ignore[no-untyped-def]
+                return MQTTProtocol(io, lc.limits, lc.name)
+
+            try:
+                if listener.is_unix:
+                    with contextlib.suppress(FileNotFoundError):
+                        if os.path.exists(listener.bind) and not os.path.isfile(listener.bind):
+                            os.unlink(listener.bind)
+                    server = await loop.create_unix_server(factory, listener.bind)
+                    where = listener.bind
+                else:
+                    host, port = listener.host_port()
+                    server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+                    addr = server.sockets[0].getsockname()
+                    where = f"{addr[0]}:{addr[1]}" if ":" not in addr[0] else f"[{addr[0]}]:{addr[1]}"
+            except OSError as exc:
+                raise BindError(f"cannot listen on {listener.bind} (listener {listener.name!r}): "
+                                f"{exc.strerror or exc}") from None
+            servers.append(server)
+            log.info("listening on %s (listener %r, max_inflight=%d, max_mqueue_len=%d)", where, listener.name,
+                     listener.limits.max_inflight, listener.limits.max_mqueue_len)
+    except BindError:
+        for server in servers:
+            server.close()
+        raise
+
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    io.start_ticker()
+    notifier = sdnotify.SystemdNotifier()
+    notifier.notify("READY=1")
+    notifier.notify(f"STATUS=serving {len(servers)} listener(s)")
+    log.info("edge-gateway ready")
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        notifier.notify("STOPPING=1")
+        for server in servers:
+            server.close()
+        await io.stop_ticker()
+        broker.shutdown(time.time())
+        io.flush()
+        # Let the transports write their last bytes (DISCONNECT 0x8B) before the loop ends.
+        deadline = time.monotonic() + 2.0
+        while io.open_connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0)
+        broker.store.close()
+        for server in servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+        log.info("stopped")
