@@ -13,6 +13,7 @@ from gateway.server.config import DEFAULT_BIND, ConfigError, read_config
 
 EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): systemd units can refuse to restart on it
 EXIT_BIND = 1
+EXIT_STORE = 74  # EX_IOERR: the store cannot be opened (on_corrupt = "refuse") or is locked
 
 DESCRIPTION = f"""\
 edge-gateway {__version__}: an MQTT 3.1.1 + 5.0 broker for field gateways.
@@ -60,6 +61,7 @@ def _setup_logging(level: str) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.runner import BindError, serve
+    from gateway.store.lmdb_store import StoreError
 
     try:
         config = read_config(args.config)
@@ -73,6 +75,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except BindError as exc:
         print(f"edge-gateway: {exc}", file=sys.stderr)
         return EXIT_BIND
+    except StoreError as exc:
+        print(f"edge-gateway: {exc}", file=sys.stderr)
+        return EXIT_STORE
     except KeyboardInterrupt:
         pass
     return 0

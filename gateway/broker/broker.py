@@ -891,6 +891,7 @@ class Broker:
             return
         session.expires_at = None if session.expiry_interval == NEVER else now + session.expiry_interval
         self._offline.add(session)
+        self.store.session_saved(session)  # the offline deadline survives a restart
         if will is not None and publish_will:
             if delay and (session.expires_at is None or now + delay < session.expires_at):
                 session.will = will

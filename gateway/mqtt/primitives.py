@@ -128,6 +128,10 @@ def check_string(value: str) -> None:
     """
     if "\x00" in value:
         raise MalformedPacket("UTF-8 Encoded String contains U+0000 [MQTT-1.5.4-2]")
+    try:
+        value.encode("utf-8")  # the codec refuses exactly the surrogates U+D800..U+DFFF
+    except UnicodeEncodeError:
+        raise MalformedPacket("UTF-8 Encoded String contains a surrogate code point [MQTT-1.5.4-1]") from None
 
 
 def decode_string(buf: bytes | memoryview, pos: int) -> tuple[str, int]:

@@ -20,6 +20,7 @@ Durations accept seconds as a number or "30s", "5m", "2h", "7d" (DESIGN.md §3).
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
+from gateway.store.lmdb_store import StoreSettings
 
 DEFAULT_BIND = "127.0.0.1:1883"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -76,6 +78,8 @@ class GatewayConfig:
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     log_level: str = "info"
     source: str = "<defaults>"
+    store: StoreSettings = field(default_factory=StoreSettings)
+    store_backend: str = "lmdb"
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -136,6 +140,15 @@ _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available"}
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
+_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt"}
+
+
+def default_store_path() -> str:
+    """``$STATE_DIRECTORY`` when systemd sets it (first entry), else ``./var``."""
+    state = os.environ.get("STATE_DIRECTORY")
+    if state:
+        return state.split(":")[0]
+    return "var"
 
 
 def _check_value(where: str, key: str, value: Any, errors: list[str]) -> Any:
@@ -207,6 +220,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"broker.retain_available = {value!r}: must be true or false")
             else:
                 cfg.broker.retain_available = value
+    _load_store(cfg, data.get("store", {}), errors)
     listeners = data.get("listeners")
     if listeners is None:
         listeners = {"external": {"bind": DEFAULT_BIND}}
@@ -243,6 +257,48 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
     if errors:
         raise ConfigError(errors, source)
     return cfg
+
+
+def _load_store(cfg: GatewayConfig, table: Any, errors: list[str]) -> None:
+    cfg.store.path = default_store_path()
+    if not isinstance(table, dict):
+        errors.append("store: must be a table")
+        return
+    for key, value in table.items():
+        if key not in _STORE_KEYS:
+            errors.append(f"store.{key}: unknown key; allowed: {', '.join(sorted(_STORE_KEYS))}")
+        elif key == "backend":
+            if value not in ("lmdb", "memory"):
+                errors.append(f'store.backend = {value!r}: must be "lmdb" (durable) or "memory" (nothing survives '
+                              "a restart)")
+            else:
+                cfg.store_backend = value
+        elif key == "path":
+            if not isinstance(value, str) or not value:
+                errors.append(f"store.path = {value!r}: must be a directory path")
+            else:
+                cfg.store.path = value
+        elif key == "max_size":
+            try:
+                size = parse_size(value)
+                if size < 4 * 1024 * 1024:
+                    raise ValueError
+                cfg.store.max_size = size
+            except ValueError:
+                errors.append(f'store.max_size = {value!r}: must be a size of at least 4MB such as "1GB"')
+        elif key == "commit_interval":
+            try:
+                interval = parse_duration(value)
+                if interval > 1:
+                    raise ValueError
+                cfg.store.commit_interval = interval
+            except ValueError:
+                errors.append(f'store.commit_interval = {value!r}: must be a duration 0..1s such as "2ms"')
+        elif key == "on_corrupt":
+            if value not in ("quarantine", "refuse"):
+                errors.append(f'store.on_corrupt = {value!r}: must be "quarantine" or "refuse"')
+            else:
+                cfg.store.on_corrupt = value
 
 
 def read_config(path: str | Path | None) -> GatewayConfig:

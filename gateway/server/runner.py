@@ -16,8 +16,11 @@ import time
 import sdnotify
 
 from gateway.broker.broker import Broker
+from gateway.broker.limits import ZoneLimits
+from gateway.broker.store import MemoryStore, SessionStore
 from gateway.server.config import GatewayConfig
 from gateway.server.protocol import BrokerIO, MQTTProtocol
+from gateway.store.lmdb_store import LmdbStore
 
 log = logging.getLogger("gateway.server")
 
@@ -33,8 +36,21 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         BindError: a listener could not bind; nothing is left listening.
     """
     loop = asyncio.get_running_loop()
-    broker = Broker(config.broker, now=time.time())
+    store: SessionStore
+    if config.store_backend == "lmdb":
+        first = config.listeners[0].limits if config.listeners else ZoneLimits()
+        lmdb_store = LmdbStore(config.store, lambda: first)
+        store = lmdb_store
+        log.info("store: LMDB at %s (max_size %d bytes, commit_interval %.3f s)", os.path.abspath(config.store.path),
+                 config.store.max_size, config.store.commit_interval)
+    else:
+        lmdb_store = None
+        store = MemoryStore()
+        log.warning("store: memory only; persistent sessions and retained messages do not survive a restart")
+    broker = Broker(config.broker, store, now=time.time())
     io = BrokerIO(broker, loop)
+    if lmdb_store is not None:
+        lmdb_store.attach(loop, io.schedule_flush)
     servers: list[asyncio.base_events.Server] = []
     try:
         for listener in config.listeners:
@@ -62,6 +78,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     except BindError:
         for server in servers:
             server.close()
+        store.close()
         raise
 
     stop = stop or asyncio.Event()

@@ -1,0 +1,605 @@
+"""The LMDB implementation of the broker's :class:`~gateway.broker.store.SessionStore` (DESIGN.md §4).
+
+- One environment under ``[store] path``, named databases (see :mod:`gateway.store.records`).
+- All writes on one writer thread. The event loop records changes into the open batch; the batch is handed to
+  the writer at the end of the loop turn (or after ``commit_interval``); batches that queue up while the writer
+  is busy share one transaction (group commit). LMDB's default ``sync``/``metasync`` stay on.
+- ``when_durable`` callbacks (PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK) run on the loop, in order, once the
+  batch holding everything recorded before them is committed.
+- Payloads are stored once (``messages``) and reference-counted by queue, inbound and retained rows; the counts
+  live on the writer thread and are rebuilt on open.
+- The map grows up to ``max_size``; new durable work is refused (``has_room`` is False) once the data reaches
+  ``max_size`` minus a headroom, so deletes and already-acknowledged work always fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from gateway.broker.limits import ZoneLimits
+from gateway.broker.message import Delivery, Message
+from gateway.broker.routing import SubscriptionRecord
+from gateway.broker.session import NEVER, Session
+from gateway.broker.store import LoadedState
+from gateway.store import records as rec
+
+log = logging.getLogger("gateway.store")
+
+DB_NAMES = ("meta", "messages", "sessions", "subs", "queue", "inbound", "retained")
+_INITIAL_MAP = 32 * 1024 * 1024
+_HEADROOM_FRACTION = 0.05
+_MIN_HEADROOM = 2 * 1024 * 1024
+
+# Writer operations.
+_PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
+
+
+class StoreError(Exception):
+    """The store cannot be used (corrupt and ``on_corrupt = "refuse"``, locked by another process, ...)."""
+
+
+@dataclass(slots=True)
+class StoreSettings:
+    """``[store]`` settings.
+
+    Attributes:
+        path: directory of the LMDB environment.
+        max_size: largest the data may grow, bytes.
+        commit_interval: seconds a batch may wait for more work before it is handed to the writer (0 = end of
+            the loop turn).
+        on_corrupt: ``"quarantine"`` (move aside, start empty) or ``"refuse"`` (raise :class:`StoreError`).
+    """
+
+    path: str = "var"
+    max_size: int = 1024 * 1024 * 1024
+    commit_interval: float = 0.002
+    on_corrupt: str = "quarantine"
+
+
+class LmdbStore:
+    """Durable sessions, queues, inbound QoS 2 state and retained messages in LMDB.
+
+    Args:
+        settings: the ``[store]`` settings.
+        limits_for: the zone limits to give a restored session (by its protocol level; the listener it comes
+            back on replaces them).
+    """
+
+    def __init__(self, settings: StoreSettings, limits_for: Callable[[], ZoneLimits] = ZoneLimits) -> None:
+        self.settings = settings
+        self.path = Path(settings.path)
+        self.limits_for = limits_for
+        self.env: lmdb.Environment | None = None
+        self.dbs: list[Any] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_callbacks_done: Callable[[], None] | None = None
+        self._ops: list[tuple[Any, ...]] = []
+        self._cbs: list[Callable[[], None]] = []
+        self._inflight: deque[list[Callable[[], None]]] = deque()
+        self._submit_scheduled = False
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._refs: dict[int, int] = {}
+        self._seq = 1
+        self._next_mid_hint = 1
+        self._lock_fd: int | None = None
+        self.used_bytes = 0
+        self.map_size = 0
+        self.commits = 0
+        self.committed_ops = 0
+        self.last_commit_at = time.monotonic()
+        self.write_errors = 0
+        self.refused = 0
+        self.quarantined: str | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------------------------------ opening
+
+    def _open_env(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        map_size = max(min(self.settings.max_size, _INITIAL_MAP), self._data_file_size())
+        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 1, subdir=True,
+                             sync=True, metasync=True, lock=True, readahead=False)
+        self.map_size = map_size
+        self.dbs = [self.env.open_db(name.encode()) for name in DB_NAMES]
+
+    def _data_file_size(self) -> int:
+        try:
+            return (self.path / "data.mdb").stat().st_size
+        except OSError:
+            return 0
+
+    def _take_lock(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.parent / f".{self.path.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StoreError(f"store {self.path} is in use by another process") from None
+        self._lock_fd = fd
+
+    def load(self, now: float) -> LoadedState:
+        """Open the environment and read everything back (expired sessions and messages removed and counted).
+
+        A store that cannot be opened or read is moved aside to ``<path>.corrupt-<timestamp>`` and an empty one
+        is started (``on_corrupt = "quarantine"``), or :class:`StoreError` is raised (``"refuse"``).
+        """
+        self._take_lock()
+        try:
+            self._open_env()
+            state = self._read_all(now)
+        except Exception as exc:
+            if isinstance(exc, StoreError):
+                raise
+            if self.env is not None:
+                with contextlib.suppress(Exception):
+                    self.env.close()
+                self.env = None
+            if self.settings.on_corrupt == "refuse":
+                raise StoreError(f"store {self.path} cannot be opened: {exc}; refusing to start "
+                                 '(store.on_corrupt = "refuse")') from None
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+            n = 1
+            while target.exists():
+                target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+                n += 1
+            shutil.move(str(self.path), str(target))
+            self.quarantined = str(target)
+            log.critical("STORE CORRUPT: %s cannot be opened (%s); moved aside to %s and starting with an EMPTY "
+                         "store", self.path, exc, target)
+            self._open_env()
+            state = self._read_all(now)
+        self._start_writer()
+        return state
+
+    def _read_all(self, now: float) -> LoadedState:
+        assert self.env is not None
+        meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db = self.dbs
+        state = LoadedState()
+        sessions: dict[str, Session] = {}
+        expired_sessions: list[str] = []
+        refs: dict[int, int] = {}
+        with self.env.begin() as txn:
+            version = txn.get(b"format", db=meta)
+            if version is not None and int(version) != rec.FORMAT_VERSION:
+                raise ValueError(f"unknown store format {version!r}")
+            next_mid = txn.get(b"next_mid", db=meta)
+            seq = txn.get(b"next_seq", db=meta)
+            for key, value in txn.cursor(db=sessions_db):
+                cid = bytes(key).decode("utf-8")
+                session = Session(cid, self.limits_for())
+                rec.decode_session_into(session, bytes(value))
+                if session.expires_at is not None and now >= session.expires_at:
+                    expired_sessions.append(cid)
+                    continue
+                sessions[cid] = session
+            cache: dict[int, Message | None] = {}
+
+            def message(mid: int) -> Message | None:
+                if mid not in cache:
+                    raw = txn.get(rec.u64(mid), db=messages)
+                    cache[mid] = rec.decode_message(mid, bytes(raw)) if raw is not None else None
+                return cache[mid]
+
+            for key, value in txn.cursor(db=subs_db):
+                cid, rest = rec.split_client_key(bytes(key))
+                session = sessions.get(cid)
+                if session is not None:
+                    record = rec.decode_subscription(cid, rest.decode("utf-8"), bytes(value))
+                    session.subscriptions[record.key] = record
+            expired_rows: list[bytes] = []
+            for key, value in txn.cursor(db=queue_db):
+                cid, rest = rec.split_client_key(bytes(key))
+                session = sessions.get(cid)
+                if session is None:
+                    expired_rows.append(bytes(key))
+                    continue
+                mid, delivery = rec.decode_delivery(bytes(value))
+                msg = message(mid)
+                if msg is None or (delivery.expires_at is not None and now >= delivery.expires_at
+                                   and not delivery.packet_id):
+                    expired_rows.append(bytes(key))
+                    continue
+                delivery.message = msg
+                delivery.seq = rec.from_u64(rest)
+                refs[mid] = refs.get(mid, 0) + 1
+                if delivery.packet_id:
+                    session.inflight[delivery.packet_id] = delivery
+                    session.next_packet_id = delivery.packet_id % 65535 + 1
+                else:
+                    session.mqueue.push(delivery)
+            expired_inbound: list[bytes] = []
+            for key, value in txn.cursor(db=inbound_db):
+                cid, rest = rec.split_client_key(bytes(key))
+                session = sessions.get(cid)
+                mid, received_at = rec.decode_inbound(bytes(value))
+                msg = message(mid)
+                if session is None or msg is None:
+                    expired_inbound.append(bytes(key))
+                    continue
+                session.awaiting_rel[int.from_bytes(rest, "big")] = (msg, received_at)
+                refs[mid] = refs.get(mid, 0) + 1
+            expired_retained: list[bytes] = []
+            for key, value in txn.cursor(db=retained_db):
+                mid = rec.from_u64(bytes(value))
+                msg = message(mid)
+                if msg is None or msg.expired(now):
+                    expired_retained.append(bytes(key))
+                    continue
+                state.retained.append(msg)
+                refs[mid] = refs.get(mid, 0) + 1
+            orphans = [bytes(k) for k, _ in txn.cursor(db=messages) if rec.from_u64(bytes(k)) not in refs]
+        self._refs = refs
+        self._seq = int(seq) if seq is not None else 1
+        state.next_mid = int(next_mid) if next_mid is not None else 1
+        state.sessions = list(sessions.values())
+        # Remove what expired while the broker was down, and what nothing references.
+        with self.env.begin(write=True) as txn:
+            txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=meta)
+            for cid in expired_sessions:
+                # Their queue and inbound rows are in the lists below (no session to attach them to).
+                txn.delete(cid.encode("utf-8"), db=sessions_db)
+                cursor = txn.cursor(db=subs_db)
+                prefix = rec.client_prefix(cid)
+                if cursor.set_range(prefix):
+                    while cursor.key().startswith(prefix) and cursor.delete():
+                        pass
+                cursor.close()
+            for key in expired_rows:
+                txn.delete(key, db=queue_db)
+            for key in expired_inbound:
+                txn.delete(key, db=inbound_db)
+            for key in expired_retained:
+                txn.delete(key, db=retained_db)
+            for key in orphans:
+                txn.delete(key, db=messages)
+        self.expired_on_load = len(expired_sessions), len(expired_rows) + len(expired_retained)
+        if expired_sessions or expired_rows or expired_retained:
+            log.info("store: removed %d expired sessions and %d expired messages on start", len(expired_sessions),
+                     len(expired_rows) + len(expired_retained))
+        self._update_used()
+        return state
+
+    def _delete_session_rows(self, txn: Any, cid: str) -> None:
+        _meta, _messages, sessions_db, subs_db, queue_db, inbound_db, _ret = self.dbs
+        txn.delete(cid.encode("utf-8"), db=sessions_db)
+        prefix = rec.client_prefix(cid)
+        for db in (subs_db, queue_db, inbound_db):
+            cursor = txn.cursor(db=db)
+            if not cursor.set_range(prefix):
+                continue
+            while cursor.key().startswith(prefix):
+                if db is not subs_db:
+                    value = bytes(cursor.value())
+                    mid = rec.from_u64(value)
+                    self._unref(txn, mid)
+                if not cursor.delete():
+                    break
+            cursor.close()
+
+    # ------------------------------------------------------------------------------------------ writer
+
+    def _start_writer(self) -> None:
+        self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
+        self._writer.start()
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_callbacks_done: Callable[[], None] | None = None) -> None:
+        """Bind to the event loop that records changes and runs ``when_durable`` callbacks."""
+        self.loop = loop
+        self.on_callbacks_done = on_callbacks_done
+
+    def _ref(self, txn: Any, message: Message) -> None:
+        mid = message.mid
+        count = self._refs.get(mid, 0)
+        if not count:
+            txn.put(rec.u64(mid), rec.encode_message(message), db=self.dbs[1])
+        self._refs[mid] = count + 1
+
+    def _unref(self, txn: Any, mid: int) -> None:
+        count = self._refs.get(mid, 0) - 1
+        if count <= 0:
+            self._refs.pop(mid, None)
+            txn.delete(rec.u64(mid), db=self.dbs[1])
+        else:
+            self._refs[mid] = count
+
+    def _apply(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
+        dbs = self.dbs
+        for op in ops:
+            kind = op[0]
+            if kind == _Q_PUT:
+                _, key, value, message = op
+                if message is not None:
+                    self._ref(txn, message)
+                txn.put(key, value, db=dbs[4])
+            elif kind == _Q_DEL:
+                value = txn.pop(op[1], db=dbs[4])
+                if value is not None:
+                    self._unref(txn, rec.from_u64(value))
+            elif kind == _PUT:
+                txn.put(op[2], op[3], db=dbs[op[1]])
+            elif kind == _DEL:
+                txn.delete(op[2], db=dbs[op[1]])
+            elif kind == _IN_PUT:
+                _, key, value, message = op
+                old = txn.get(key, db=dbs[5])
+                if old is not None:
+                    self._unref(txn, rec.from_u64(bytes(old)))
+                self._ref(txn, message)
+                txn.put(key, value, db=dbs[5])
+            elif kind == _IN_DEL:
+                value = txn.pop(op[1], db=dbs[5])
+                if value is not None:
+                    self._unref(txn, rec.from_u64(value))
+            elif kind == _RET_PUT:
+                _, key, message = op
+                old = txn.get(key, db=dbs[6])
+                if old is not None:
+                    self._unref(txn, rec.from_u64(bytes(old)))
+                self._ref(txn, message)
+                txn.put(key, rec.u64(message.mid), db=dbs[6])
+            elif kind == _RET_DEL:
+                value = txn.pop(op[1], db=dbs[6])
+                if value is not None:
+                    self._unref(txn, rec.from_u64(value))
+            elif kind == _SESS_DEL:
+                self._delete_session_rows(txn, op[1])
+
+    def _write_loop(self) -> None:
+        q = self._queue
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            batches = [item]
+            while True:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    q.put(None)
+                    break
+                batches.append(more)
+            ops = [op for batch in batches for op in batch[0]]
+            ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
+            ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
+            self._commit(ops)
+            self.commits += 1
+            self.committed_ops += len(ops)
+            self.last_commit_at = time.monotonic()
+            loop = self.loop
+            if loop is not None and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._committed, len(batches))
+
+    def _commit(self, ops: list[tuple[Any, ...]]) -> None:
+        assert self.env is not None
+        refs_before = dict(self._refs)
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    self._apply(txn, ops)
+                break
+            except lmdb.MapFullError:
+                self._refs = dict(refs_before)
+                if self.map_size >= self.settings.max_size:
+                    self.write_errors += 1
+                    log.critical("store full at max_size=%d bytes: a batch of %d changes could not be written",
+                                 self.settings.max_size, len(ops))
+                    return
+                new_size = min(self.settings.max_size, self.map_size * 2)
+                self.env.set_mapsize(new_size)
+                self.map_size = new_size
+                log.info("store: map grown to %d bytes", new_size)
+            except lmdb.Error as exc:
+                self._refs = dict(refs_before)
+                self.write_errors += 1
+                log.critical("store write failed (%s): %d changes not written", exc, len(ops))
+                return
+        self._update_used()
+
+    def _update_used(self) -> None:
+        assert self.env is not None
+        used = 0
+        with self.env.begin() as txn:
+            for db in self.dbs:
+                s = txn.stat(db)
+                used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
+        self.used_bytes = used
+
+    def _committed(self, count: int) -> None:
+        ran = False
+        for _ in range(count):
+            if not self._inflight:
+                break
+            for cb in self._inflight.popleft():
+                ran = True
+                try:
+                    cb()
+                except Exception:
+                    log.exception("durable callback failed")
+        if ran and self.on_callbacks_done is not None:
+            self.on_callbacks_done()
+
+    def _schedule(self) -> None:
+        if self._submit_scheduled:
+            return
+        self._submit_scheduled = True
+        loop = self.loop
+        if loop is None:
+            # No event loop (tools, unit tests): commit synchronously in the caller.
+            self._submit_scheduled = False
+            ops, self._ops = self._ops, []
+            cbs, self._cbs = self._cbs, []
+            self._commit(ops)
+            for cb in cbs:
+                cb()
+        elif self.settings.commit_interval > 0:
+            loop.call_later(self.settings.commit_interval, self._submit)
+        else:
+            loop.call_soon(self._submit)
+
+    def _submit(self) -> None:
+        self._submit_scheduled = False
+        if not self._ops:
+            if self._cbs:
+                cbs, self._cbs = self._cbs, []
+                for cb in cbs:
+                    cb()
+            return
+        ops, self._ops = self._ops, []
+        cbs, self._cbs = self._cbs, []
+        self._inflight.append(cbs)
+        self._queue.put((ops, self._next_mid_hint, self._seq))
+
+    # ------------------------------------------------------------------------------------------ SessionStore
+
+    def note_mid(self, mid: int) -> None:
+        """Remember the newest message id so ``next_mid`` survives restarts."""
+        if mid >= self._next_mid_hint:
+            self._next_mid_hint = mid + 1
+
+    def _record(self, op: tuple[Any, ...]) -> None:
+        self._ops.append(op)
+        self._schedule()
+
+    def session_saved(self, session: Session) -> None:
+        self._record((_PUT, 2, session.client_id.encode("utf-8"), rec.encode_session(session)))
+
+    def session_deleted(self, client_id: str) -> None:
+        self._record((_SESS_DEL, client_id))
+
+    def subscription_saved(self, client_id: str, record: SubscriptionRecord) -> None:
+        self._record((_PUT, 3, rec.client_prefix(client_id) + record.key.encode("utf-8"),
+                      rec.encode_subscription(record)))
+
+    def subscription_deleted(self, client_id: str, key: str) -> None:
+        self._record((_DEL, 3, rec.client_prefix(client_id) + key.encode("utf-8")))
+
+    def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
+        new = delivery.seq == 0
+        if new:
+            delivery.seq = self._seq
+            self._seq += 1
+            self.note_mid(delivery.message.mid)
+        key = rec.client_prefix(client_id) + rec.u64(delivery.seq)
+        self._record((_Q_PUT, key, rec.encode_delivery(delivery), delivery.message if new else None))
+
+    def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
+        if delivery.seq:
+            self._record((_Q_DEL, rec.client_prefix(client_id) + rec.u64(delivery.seq)))
+
+    def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
+        self.note_mid(message.mid)
+        key = rec.client_prefix(client_id) + packet_id.to_bytes(2, "big")
+        self._record((_IN_PUT, key, rec.encode_inbound(message.mid, message.received_at), message))
+
+    def inbound_deleted(self, client_id: str, packet_id: int) -> None:
+        self._record((_IN_DEL, rec.client_prefix(client_id) + packet_id.to_bytes(2, "big")))
+
+    def retained_saved(self, message: Message) -> None:
+        self.note_mid(message.mid)
+        self._record((_RET_PUT, message.topic.encode("utf-8"), message))
+
+    def retained_deleted(self, topic: str) -> None:
+        self._record((_RET_DEL, topic.encode("utf-8")))
+
+    def when_durable(self, callback: Callable[[], None]) -> None:
+        if self._ops or self._cbs:
+            self._cbs.append(callback)
+        elif self._inflight:
+            self._inflight[-1].append(callback)
+        else:
+            callback()
+
+    def has_room(self, client_id: str | None) -> bool:
+        limit = self.settings.max_size
+        headroom = max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))
+        if self.used_bytes + headroom < limit and not self.write_errors:
+            return True
+        self.refused += 1
+        if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+            log.error("store full: %d of %d bytes used (headroom %d); refusing new QoS 1/2 messages (%d refused)",
+                      self.used_bytes, limit, headroom, self.refused)
+        return False
+
+    def healthy(self, max_age: float = 30.0) -> bool:
+        """True while the writer thread is alive and not stuck on a batch (for the systemd watchdog)."""
+        if self._writer is None or not self._writer.is_alive():
+            return False
+        return not (self._inflight and time.monotonic() - self.last_commit_at > max_age)
+
+    def close(self) -> None:
+        """Commit what is pending, stop the writer, close the environment and release the lock."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._writer is not None:
+            if self._ops:
+                ops, self._ops = self._ops, []
+                self._inflight.append(self._cbs)
+                self._cbs = []
+                self._queue.put((ops, self._next_mid_hint, self._seq))
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ------------------------------------------------------------------------------------------ tools
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """Sizes, counts, queue depths and the oldest queued message's age (for ``edge-gateway store stats``)."""
+        assert self.env is not None
+        out: dict[str, Any] = {"path": str(self.path), "map_size": self.env.info()["map_size"],
+                               "file_size": self._data_file_size(), "max_size": self.settings.max_size}
+        depths: dict[str, int] = {}
+        oldest = None
+        with self.env.begin() as txn:
+            used = 0
+            for name, db in zip(DB_NAMES, self.dbs, strict=True):
+                s = txn.stat(db)
+                out[f"{name}_entries"] = s["entries"]
+                used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
+            out["used_bytes"] = used
+            for key, value in txn.cursor(db=self.dbs[4]):
+                cid, _ = rec.split_client_key(bytes(key))
+                depths[cid] = depths.get(cid, 0) + 1
+                mid = rec.from_u64(bytes(value))
+                raw = txn.get(rec.u64(mid), db=self.dbs[1])
+                if raw is not None:
+                    received = rec.decode_message(mid, bytes(raw)).received_at
+                    oldest = received if oldest is None else min(oldest, received)
+        out["sessions"] = out["sessions_entries"]
+        out["queue_depths"] = depths
+        out["oldest_message_age"] = None if oldest is None else max(0.0, now - oldest)
+        return out
+
+
+def expires_label(session: Session) -> str:
+    """Human text for a session's expiry."""
+    if session.expiry_interval == NEVER:
+        return "never"
+    return f"{session.expiry_interval:.0f} s"

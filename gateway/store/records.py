@@ -1,0 +1,176 @@
+"""On-disk record formats and keys of the LMDB store. Keys are big-endian so cursor order is FIFO order
+(DESIGN.md §4); values are compact binary records built from MQTT's own encodings (UTF-8 strings with a
+2-byte length, MQTT 5.0 properties), never pickles.
+
+Named databases:
+
+==========  ======================================  =====================================================
+database    key                                     value
+==========  ======================================  =====================================================
+meta        name (ASCII)                            JSON
+messages    mid (8 bytes BE)                        :func:`encode_message`
+sessions    client id (UTF-8)                       :func:`encode_session`
+subs        client id, 0x00, filter as written      :func:`encode_subscription`
+queue       client id, 0x00, seq (8 bytes BE)       :func:`encode_delivery` (inflight when packet_id != 0)
+inbound     client id, 0x00, Packet Identifier (2)  mid (8), received_at (float64)
+retained    topic (UTF-8)                           mid (8 bytes BE)
+==========  ======================================  =====================================================
+
+Client identifiers and topics cannot contain U+0000 [MQTT-1.5.4-2], so 0x00 separates key parts safely.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from gateway.broker.message import Delivery, Message
+from gateway.broker.routing import SubscriptionRecord
+from gateway.broker.session import Session
+from gateway.mqtt.packets import PUBLISH, Will
+from gateway.mqtt.primitives import decode_binary, decode_string, encode_binary, encode_string
+from gateway.mqtt.properties import WILL, decode_properties, encode_properties
+
+FORMAT_VERSION = 1
+
+_MSG = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
+_DEL = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_at, n_sub_ids
+_SESS = struct.Struct("!dddB")  # expiry_interval, expires_at, will_at (-1 = none), protocol_level
+_SUB = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0 = none)
+_INB = struct.Struct("!Qd")
+_U64 = struct.Struct("!Q")
+_NONE = -1.0
+
+
+def u64(value: int) -> bytes:
+    """8-byte big-endian integer."""
+    return _U64.pack(value)
+
+
+def from_u64(data: bytes, pos: int = 0) -> int:
+    """Read an 8-byte big-endian integer at ``pos``."""
+    return _U64.unpack_from(data, pos)[0]
+
+
+def client_prefix(client_id: str) -> bytes:
+    """The key prefix of all rows of one session in ``subs``, ``queue`` and ``inbound``."""
+    return client_id.encode("utf-8") + b"\x00"
+
+
+def split_client_key(key: bytes) -> tuple[str, bytes]:
+    """``(client_id, rest)`` of a ``subs``/``queue``/``inbound`` key."""
+    cid, _, rest = key.partition(b"\x00")
+    return cid.decode("utf-8"), rest
+
+
+def _opt(value: float | None) -> float:
+    return _NONE if value is None else value
+
+
+def _unopt(value: float) -> float | None:
+    return None if value == _NONE else value
+
+
+def encode_message(m: Message) -> bytes:
+    """A stored Application Message: header, topic, sender, PUBLISH properties, payload."""
+    return b"".join((
+        _MSG.pack(m.qos, 1 if m.retain else 0, m.received_at, _opt(m.expires_at)),
+        encode_string(m.topic),
+        encode_string(m.sender or ""),
+        encode_properties(m.properties),
+        m.payload,
+    ))
+
+
+def decode_message(mid: int, data: bytes) -> Message:
+    """Inverse of :func:`encode_message`. Raises ``MalformedPacket``/``struct.error`` on a damaged record."""
+    qos, flags, received_at, expires_at = _MSG.unpack_from(data, 0)
+    pos = _MSG.size
+    topic, pos = decode_string(data, pos)
+    sender, pos = decode_string(data, pos)
+    props, pos = decode_properties(data, pos, PUBLISH)
+    return Message(mid, topic, bytes(data[pos:]), qos, bool(flags & 1), props, received_at, _unopt(expires_at),
+                   sender or None)
+
+
+def encode_delivery(d: Delivery) -> bytes:
+    """A queue/inflight entry referencing its message by mid."""
+    head = _DEL.pack(d.message.mid, d.qos, 1 if d.retain else 0, d.packet_id, d.state, _opt(d.expires_at),
+                     len(d.sub_ids))
+    if not d.sub_ids:
+        return head
+    return head + struct.pack(f"!{len(d.sub_ids)}I", *d.sub_ids)
+
+
+def decode_delivery(data: bytes) -> tuple[int, Delivery]:
+    """``(mid, delivery)``; the delivery's ``message`` is a placeholder until the caller links it."""
+    mid, qos, retain, packet_id, state, expires_at, n = _DEL.unpack_from(data, 0)
+    sub_ids = list(struct.unpack_from(f"!{n}I", data, _DEL.size)) if n else []
+    placeholder = Message(mid, "", b"", 0, False, {}, 0.0)
+    return mid, Delivery(placeholder, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at))
+
+
+def encode_will(will: Will | None) -> bytes:
+    """The Will Message of a session (topic, payload, QoS, retain, Will Properties), or empty."""
+    if will is None:
+        return b""
+    return b"".join((
+        bytes((will.qos | (0x04 if will.retain else 0),)),
+        encode_string(will.topic),
+        encode_binary(will.payload),
+        encode_properties(will.properties),
+    ))
+
+
+def decode_will(data: bytes, pos: int) -> Will | None:
+    """Inverse of :func:`encode_will` starting at ``pos``."""
+    if pos >= len(data):
+        return None
+    flags = data[pos]
+    topic, pos = decode_string(data, pos + 1)
+    payload, pos = decode_binary(data, pos)
+    props, pos = decode_properties(data, pos, WILL)
+    return Will(topic, payload, flags & 0x03, bool(flags & 0x04), props)
+
+
+def encode_session(s: Session) -> bytes:
+    """Session meta: expiry, offline deadline, delayed Will."""
+    return _SESS.pack(float(s.expiry_interval), _opt(s.expires_at), _opt(s.will_at), s.protocol_level) + \
+        encode_will(s.will if s.will_at is not None else None)
+
+
+def decode_session_into(s: Session, data: bytes) -> None:
+    """Fill ``s`` from an :func:`encode_session` record."""
+    expiry, expires_at, will_at, level = _SESS.unpack_from(data, 0)
+    s.expiry_interval = expiry
+    s.expires_at = _unopt(expires_at)
+    s.will_at = _unopt(will_at)
+    s.protocol_level = level
+    s.will = decode_will(data, _SESS.size)
+    if s.will is None:
+        s.will_at = None
+
+
+def encode_subscription(r: SubscriptionRecord) -> bytes:
+    """A subscription with its options; the key carries the filter as written."""
+    return _SUB.pack(r.qos, r.no_local, r.retain_as_published, r.retain_handling, r.sub_id or 0)
+
+
+def decode_subscription(client_id: str, key: str, data: bytes) -> SubscriptionRecord:
+    """Inverse of :func:`encode_subscription`; ``key`` is the filter as written (``$share/...`` kept)."""
+    qos, no_local, rap, rh, sub_id = _SUB.unpack_from(data, 0)
+    group = None
+    topic_filter = key
+    if key.startswith("$share/"):
+        group, _, topic_filter = key[7:].partition("/")
+    return SubscriptionRecord(client_id, topic_filter, qos, bool(no_local), bool(rap), rh, sub_id or None, group)
+
+
+def encode_inbound(mid: int, received_at: float) -> bytes:
+    """An inbound QoS 2 entry awaiting PUBREL."""
+    return _INB.pack(mid, received_at)
+
+
+def decode_inbound(data: bytes) -> tuple[int, float]:
+    """``(mid, received_at)``."""
+    mid, received_at = _INB.unpack_from(data, 0)
+    return mid, received_at

@@ -1,0 +1,48 @@
+"""Shared fixtures: a real broker subprocess per test module (and per test where a config is needed)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+from helpers import BrokerProcess
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    """One broker for the module on 127.0.0.1 with an ephemeral port and short timers."""
+    config = """
+[broker]
+sys_interval = "1s"
+[listeners.external]
+bind = "127.0.0.1:0"
+"""
+    proc = BrokerProcess(config, workdir=str(tmp_path_factory.mktemp("broker"))).start()
+    yield proc
+    code = proc.stop()
+    assert code == 0, proc.log()
+
+
+@pytest.fixture
+def make_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., BrokerProcess]]:
+    """Start brokers with a given TOML config (``bind`` must use port 0); all are stopped at the end."""
+    started: list[BrokerProcess] = []
+
+    def make(config: str) -> BrokerProcess:
+        proc = BrokerProcess(config, workdir=str(tmp_path_factory.mktemp("broker"))).start()
+        started.append(proc)
+        return proc
+
+    yield make
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def uid(request: pytest.FixtureRequest) -> str:
+    """A unique prefix for client ids and topics of one test."""
+    return f"{request.node.name[:40]}-{os.getpid()}-{next(_ids)}"
