@@ -613,11 +613,7 @@ class Broker:
             expires_at = message.expires_at
         delivery = Delivery(message, qos, retain, sub_ids, expires_at=expires_at)
         if conn is not None and not session.mqueue and len(session.inflight) < conn.window:
-            if session.persistent:
-                self._send_new(session, conn, delivery, now)
-                self.store.delivery_saved(session.client_id, delivery)
-            else:
-                self._send_new(session, conn, delivery, now)
+            self._send_new(session, conn, delivery, now)
             return
         self._enqueue(session, delivery)
 
@@ -637,13 +633,29 @@ class Broker:
                             "QoS 0" if victim.qos == 0 else f"QoS {victim.qos}", self.stats.dropped[reason])
 
     def _send_new(self, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
-        """Put ``delivery`` into the Inflight Window with a fresh Packet Identifier and send it."""
+        """Put ``delivery`` into the Inflight Window with a fresh Packet Identifier and send it.
+
+        For a persistent session the Packet Identifier is recorded first; a QoS 2 PUBLISH goes out only once
+        that is durable, so that after a crash the same identifier is re-sent and the receiver can recognise
+        the duplicate (exactly once end to end, DESIGN.md §4)."""
         pid = session.allocate_packet_id()
         delivery.packet_id = pid
         delivery.sent_at = now
         session.inflight[pid] = delivery
+        if session.persistent:
+            self.store.delivery_saved(session.client_id, delivery)
+            if delivery.qos == 2:
+                self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now))
+                return
         if not self._write_publish(conn, delivery.message, delivery.qos, delivery.retain, pid, False,
                                    delivery.sub_ids, now):
+            self._finish(session, delivery)
+
+    def _send_durable(self, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+        if conn.state != CONNECTED or session.inflight.get(delivery.packet_id) is not delivery:
+            return
+        if not self._write_publish(conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id,
+                                   False, delivery.sub_ids, now):
             self._finish(session, delivery)
 
     def _pump(self, session: Session, now: float) -> None:
@@ -668,8 +680,6 @@ class Broker:
                     self.store.delivery_deleted(session.client_id, delivery)
                 continue
             self._send_new(session, conn, delivery, now)
-            if persistent:
-                self.store.delivery_saved(session.client_id, delivery)
 
     def _finish(self, session: Session, delivery: Delivery) -> None:
         """A delivery left the Inflight Window for good (acknowledged, refused or undeliverable)."""
@@ -755,7 +765,12 @@ class Broker:
         if delivery.state != AWAIT_COMP:
             delivery.state = AWAIT_COMP
             if session.persistent:
+                # PUBREC received must be durable before PUBREL goes out: after a crash the broker then
+                # re-sends PUBREL, never the PUBLISH (exactly once, MQTT 5.0 §4.3.3).
                 self.store.delivery_saved(session.client_id, delivery)
+                pid = p.packet_id
+                self.store.when_durable(lambda: self._send(conn, PubRel(pid)) if conn.state == CONNECTED else None)
+                return
         self._send(conn, PubRel(p.packet_id))
 
     def _on_pubcomp(self, conn: Connection, p: PubComp, now: float) -> None:
