@@ -98,6 +98,27 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_store(args: argparse.Namespace) -> int:
+    from gateway.store import tools
+    from gateway.store.lmdb_store import StoreError
+
+    try:
+        config = read_config(args.config)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        if args.action == "stats":
+            return tools.stats(config.store, as_json=args.json)
+        if args.action == "inspect":
+            return tools.inspect(config.store)
+        return tools.compact(config.store)
+    except (StoreError, FileNotFoundError) as exc:
+        print(f"edge-gateway store {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (subcommands ``serve``, ``check-config``, ``version``)."""
     parser = argparse.ArgumentParser(prog="edge-gateway", description=DESCRIPTION,
@@ -113,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Validate a config file; print every bad key and value; exit 1 if any.")
     check.add_argument("path", metavar="PATH")
     check.set_defaults(func=_cmd_check_config)
+    store = sub.add_parser("store", help="look into or compact the LMDB store (broker stopped)",
+                           description="Inspect or compact the durable store. Run these while the broker is "
+                                       "stopped: the store is locked by a running broker.")
+    store.add_argument("action", choices=["stats", "inspect", "compact"],
+                       help="stats: sizes, sessions, queue depths, oldest message age; inspect: every session "
+                            "and retained topic; compact: copy into a fresh file and swap it in when complete")
+    store.add_argument("--config", "-c", metavar="PATH", help="config file naming [store] path (default ./var)")
+    store.add_argument("--json", action="store_true", help="stats as JSON")
+    store.set_defaults(func=_cmd_store)
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _a: print(f"edge-gateway {__version__}") or 0)
     return parser

@@ -1,0 +1,139 @@
+"""``edge-gateway store stats|inspect|compact``: look into and compact the LMDB store while the broker is
+stopped (the store's lock file keeps a running broker and these tools apart)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import lmdb
+
+from gateway.store.lmdb_store import DB_NAMES, LmdbStore, StoreSettings
+
+
+def _open(settings: StoreSettings) -> LmdbStore:
+    if not (Path(settings.path) / "data.mdb").exists():
+        raise FileNotFoundError(f"no store at {settings.path} (data.mdb missing)")
+    store = LmdbStore(StoreSettings(settings.path, settings.max_size, 0, "refuse"))
+    store.load(time.time())
+    return store
+
+
+def stats(settings: StoreSettings, out: TextIO = sys.stdout, as_json: bool = False) -> int:
+    """Print sizes, session count, queue depths and the oldest queued message's age. Returns an exit code."""
+    store = _open(settings)
+    try:
+        info = store.stats(time.time())
+    finally:
+        store.close()
+    if as_json:
+        json.dump(info, out, indent=2, sort_keys=True)
+        out.write("\n")
+        return 0
+    age = info["oldest_message_age"]
+    out.write(f"store            {info['path']}\n")
+    out.write(f"data file        {info['file_size']} bytes (map {info['map_size']}, max_size {info['max_size']})\n")
+    out.write(f"used             {info['used_bytes']} bytes\n")
+    out.write(f"sessions         {info['sessions']}\n")
+    out.write(f"messages         {info['messages_entries']} stored payloads\n")
+    out.write(f"queued           {info['queue_entries']} deliveries\n")
+    out.write(f"inbound QoS 2    {info['inbound_entries']} awaiting PUBREL\n")
+    out.write(f"retained         {info['retained_entries']}\n")
+    out.write(f"oldest message   {'-' if age is None else f'{age:.1f} s'}\n")
+    for cid, depth in sorted(info["queue_depths"].items(), key=lambda kv: -kv[1])[:20]:
+        out.write(f"  queue {cid!r}: {depth}\n")
+    return 0
+
+
+def inspect(settings: StoreSettings, out: TextIO = sys.stdout) -> int:
+    """Print every persistent session (expiry, subscriptions, queue depth, inflight) and retained topic."""
+    store = _open(settings)
+    try:
+        state = store._read_all(time.time())
+    finally:
+        store.close()
+    now = time.time()
+    for s in sorted(state.sessions, key=lambda x: x.client_id):
+        expires = "when it reconnects + expiry" if s.expires_at is None else f"in {s.expires_at - now:.0f} s"
+        out.write(f"session {s.client_id!r}: MQTT level {s.protocol_level}, expiry {s.expiry_interval:.0f} s, "
+                  f"ends {expires}\n")
+        for key, r in sorted(s.subscriptions.items()):
+            out.write(f"  subscription {key!r} qos={r.qos} no_local={r.no_local} rap={r.retain_as_published} "
+                      f"rh={r.retain_handling} id={r.sub_id}\n")
+        out.write(f"  queued {len(s.mqueue)}, in flight {len(s.inflight)}, inbound QoS 2 {len(s.awaiting_rel)}\n")
+        if s.will is not None:
+            out.write(f"  delayed will to {s.will.topic!r} due at {s.will_at}\n")
+    for m in sorted(state.retained, key=lambda x: x.topic):
+        out.write(f"retained {m.topic!r}: {len(m.payload)} bytes, QoS {m.qos}\n")
+    return 0
+
+
+def _bar(done: int, total: int, out: TextIO, width: int = 40) -> None:
+    frac = 1.0 if not total else done / total
+    filled = int(frac * width)
+    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} entries")
+    out.flush()
+
+
+def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
+    """Copy every entry into a fresh environment (showing progress) and swap it in only when complete.
+
+    The old environment is kept as ``<path>.old`` until the swap succeeded, then removed.
+    """
+    src = Path(settings.path)
+    if not (src / "data.mdb").exists():
+        raise FileNotFoundError(f"no store at {src} (data.mdb missing)")
+    lock = LmdbStore(StoreSettings(str(src)))
+    lock._take_lock()  # refuse while a broker runs on this store
+    tmp = src.with_name(f"{src.name}.compact-tmp")
+    old = src.with_name(f"{src.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        before = (src / "data.mdb").stat().st_size
+        env = lmdb.open(str(src), readonly=True, max_dbs=len(DB_NAMES) + 1, lock=False)
+        dst = lmdb.open(str(tmp), map_size=max(env.info()["map_size"], 1 << 20), max_dbs=len(DB_NAMES) + 1)
+        try:
+            dbs = [env.open_db(n.encode(), create=False) for n in DB_NAMES]
+            with env.begin() as txn:
+                total = sum(txn.stat(db)["entries"] for db in dbs)
+            done = 0
+            _bar(0, total, out)
+            for name, db in zip(DB_NAMES, dbs, strict=True):
+                ddb = dst.open_db(name.encode())
+                with env.begin(db=db) as rtxn:
+                    cursor = rtxn.cursor()
+                    batch: list[tuple[bytes, bytes]] = []
+                    for key, value in cursor:
+                        batch.append((bytes(key), bytes(value)))
+                        if len(batch) >= 5000:
+                            with dst.begin(write=True, db=ddb) as wtxn:
+                                wtxn.cursor().putmulti(batch, append=True)
+                            done += len(batch)
+                            batch = []
+                            _bar(done, total, out)
+                    if batch:
+                        with dst.begin(write=True, db=ddb) as wtxn:
+                            wtxn.cursor().putmulti(batch, append=True)
+                        done += len(batch)
+                _bar(done, total, out)
+            dst.sync(True)
+        finally:
+            dst.close()
+            env.close()
+        out.write("\n")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(src, old)
+        os.replace(tmp, src)
+        shutil.rmtree(old, ignore_errors=True)
+        after = (src / "data.mdb").stat().st_size
+        out.write(f"compacted {src}: {before} -> {after} bytes ({total} entries)\n")
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        lock.close()
