@@ -322,6 +322,13 @@ class Broker:
                 self._send(old, Disconnect(RC.SESSION_TAKEN_OVER))
             self._close(old, now, publish_will=True)
             session = self.sessions.get(client_id)
+        if session is not None and session.conn is None and session.expires_at is not None \
+                and now >= session.expires_at:
+            # Expired since the last tick: the Session State is gone [MQTT-4.1.0-2] (5.0).
+            log.info("session %r expired", client_id)
+            self.stats.dropped["session_expired"] += 1
+            self._end_session(session, now)
+            session = None
 
         session_present = False
         if session is not None and p.clean_start:
@@ -454,10 +461,10 @@ class Broker:
         if p.retain and not self.settings.retain_available:
             raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
         if qos and not self.store.has_room(conn.client_id):
-            self.stats.dropped["store_full"] += 1
             if v5:
-                self._reject_publish(conn, p, RC.QUOTA_EXCEEDED, "the message store is full")
+                self._reject_publish(conn, p, RC.QUOTA_EXCEEDED, "the message store is full", counter="store_full")
             else:
+                self.stats.dropped["store_full"] += 1
                 log.error("%s (%s): store full; QoS %d PUBLISH not acknowledged, disconnecting", conn.peer,
                           conn.client_id, qos)
                 self._close(conn, now, publish_will=False)
@@ -482,8 +489,8 @@ class Broker:
                 self.store.inbound_saved(session.client_id, pid, message)  # type: ignore[arg-type]
             self.store.when_durable(lambda: self._ack(conn, PubRec(pid)))  # type: ignore[arg-type]
 
-    def _reject_publish(self, conn: Connection, p: Publish, reason: RC, text: str) -> None:
-        self.stats.dropped[reason.name.lower()] += 1
+    def _reject_publish(self, conn: Connection, p: Publish, reason: RC, text: str, counter: str | None = None) -> None:
+        self.stats.dropped[counter or reason.name.lower()] += 1  # one refused message, one drop reason
         log.warning("%s (%s): PUBLISH to %r refused: %s (0x%02X)", conn.peer, conn.client_id, p.topic, text, reason)
         if p.qos == 1:
             self._send(conn, PubAck(p.packet_id, reason if conn.version == MQTT_5 else 0))  # type: ignore[arg-type]
@@ -618,8 +625,13 @@ class Broker:
         self._enqueue(session, delivery)
 
     def _enqueue(self, session: Session, delivery: Delivery) -> None:
-        victim = session.mqueue.push(delivery)
         persistent = session.persistent
+        if persistent and delivery.qos == 0 and not self.store.has_room(session.client_id):
+            # QoS 0 is never refused to its publisher, so it must not fill a full store and make the writes
+            # of acknowledged work fail (DESIGN.md §4): drop it for the offline session instead.
+            self.stats.dropped["store_full_qos0"] += 1
+            return
+        victim = session.mqueue.push(delivery)
         if persistent and (delivery.qos or session.limits.mqueue_store_qos0):
             self.store.delivery_saved(session.client_id, delivery)
         if victim is not None:
@@ -643,6 +655,12 @@ class Broker:
         delivery.sent_at = now
         session.inflight[pid] = delivery
         if session.persistent:
+            if delivery.qos == 1:
+                # Out at once, unless a QoS 2 PUBLISH still waits for its commit: never overtake it (FIFO, seed 000).
+                self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now))
+                if session.inflight.get(pid) is delivery:
+                    self.store.delivery_saved(session.client_id, delivery)
+                return
             self.store.delivery_saved(session.client_id, delivery)
             if delivery.qos == 2:
                 self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now))
@@ -675,9 +693,14 @@ class Broker:
                     self.store.delivery_deleted(session.client_id, delivery)
                 continue
             if delivery.qos == 0:
-                self._write_publish(conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
                 if persistent:
+                    # Behind any QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
+                    self.store.when_durable(
+                        lambda d=delivery: self._write_publish(conn, d.message, 0, d.retain, 0, False, d.sub_ids, now)
+                        if conn.state == CONNECTED else None)
                     self.store.delivery_deleted(session.client_id, delivery)
+                else:
+                    self._write_publish(conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
                 continue
             self._send_new(session, conn, delivery, now)
 

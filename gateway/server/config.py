@@ -140,7 +140,7 @@ _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available"}
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
-_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt"}
+_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit"}
 
 
 def default_store_path() -> str:
@@ -294,6 +294,12 @@ def _load_store(cfg: GatewayConfig, table: Any, errors: list[str]) -> None:
                 cfg.store.commit_interval = interval
             except ValueError:
                 errors.append(f'store.commit_interval = {value!r}: must be a duration 0..1s such as "2ms"')
+        elif key == "group_commit":
+            if not isinstance(value, bool):
+                errors.append(f"store.group_commit = {value!r}: must be true (default) or false (one fsync per "
+                              "message, for benchmarks)")
+            else:
+                cfg.store.group_commit = value
         elif key == "on_corrupt":
             if value not in ("quarantine", "refuse"):
                 errors.append(f'store.on_corrupt = {value!r}: must be "quarantine" or "refuse"')

@@ -106,6 +106,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)
         broker.store.close()
+        if lmdb_store is not None:
+            log.info("store closed: %d commits of %d changes", lmdb_store.commits, lmdb_store.committed_ops)
         for server in servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 1.0)

@@ -63,12 +63,15 @@ class StoreSettings:
         commit_interval: seconds a batch may wait for more work before it is handed to the writer (0 = end of
             the loop turn).
         on_corrupt: ``"quarantine"`` (move aside, start empty) or ``"refuse"`` (raise :class:`StoreError`).
+        group_commit: False commits every acknowledged unit of work alone (one fsync per message): only for
+            measuring what group commit buys (``bench/durable.py``).
     """
 
     path: str = "var"
     max_size: int = 1024 * 1024 * 1024
     commit_interval: float = 0.002
     on_corrupt: str = "quarantine"
+    group_commit: bool = True
 
 
 class LmdbStore:
@@ -369,7 +372,7 @@ class LmdbStore:
             if item is None:
                 return
             batches = [item]
-            while True:
+            while self.settings.group_commit:
                 try:
                     more = q.get_nowait()
                 except queue.Empty:
@@ -525,6 +528,8 @@ class LmdbStore:
     def when_durable(self, callback: Callable[[], None]) -> None:
         if self._ops or self._cbs:
             self._cbs.append(callback)
+            if not self.settings.group_commit:
+                self._submit()
         elif self._inflight:
             self._inflight[-1].append(callback)
         else:
