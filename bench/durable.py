@@ -69,7 +69,7 @@ def commits_at_exit(proc: subprocess.Popen[str]) -> int:
     """Stop the broker and read how many commits (fsynced transactions) its store made."""
     proc.send_signal(signal.SIGTERM)
     assert proc.stderr is not None
-    out, _ = proc.communicate(timeout=30)
+    _, out = proc.communicate(timeout=30)
     m = re.search(r"store closed: (\d+) commits", out)
     return int(m.group(1)) if m else -1
 

@@ -457,7 +457,9 @@ def test_paho_publish_decodes_and_matches_bytes(version: int, data: st.DataObjec
     with paho(version) as cap:
         props = to_paho(packet.properties, 3) if packet.properties else None
         pid = packet.packet_id or 0
-        cap.client._send_publish(pid, packet.topic.encode(), packet.payload, qos, packet.retain, packet.dup, None, props)
+        cap.client._send_publish(
+            pid, packet.topic.encode(), packet.payload, qos, packet.retain, packet.dup, None, props
+        )
     (wire,) = cap.packets
     assert decode_one(wire, version) == packet
     assert packet.encode(version) == wire
@@ -499,8 +501,9 @@ def test_paho_connect_decodes_and_matches_bytes(version: int, data: st.DataObjec
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_paho_subscribe_and_unsubscribe_decode_and_match_bytes(version: int, data: st.DataObject) -> None:
-    filters = data.draw(st.lists(st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1),
-                                 min_size=1, max_size=4))
+    filters = data.draw(
+        st.lists(st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1), min_size=1, max_size=4)
+    )
     subs = []
     for topic_filter in filters:
         qos = data.draw(st.integers(0, 2))
