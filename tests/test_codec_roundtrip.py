@@ -343,6 +343,18 @@ def test_stream_fed_one_byte_at_a_time(version: int, data: st.DataObject) -> Non
     assert reader.buffered == 0
 
 
+def test_packets_not_consumed_stay_buffered() -> None:
+    """Closing the feed() generator early keeps the unread packets for the next feed()."""
+    first, second = Publish("a", b"1"), Publish("b", b"2", 1, packet_id=2)
+    reader = PacketReader(version=V5)
+    packets = reader.feed(first.encode(V5) + second.encode(V5) + b"\x30")
+    assert next(packets) == first
+    packets.close()
+    assert reader.buffered == len(second.encode(V5)) + 1
+    assert list(reader.feed(b"")) == [second]
+    assert reader.buffered == 1  # the lone first byte of a third packet waits
+
+
 @ROUNDTRIP
 @given(connect=connects(3))
 def test_roundtrip_mqtt_3_1_connect_sets_reader_to_3_1_1_format(connect: Connect) -> None:

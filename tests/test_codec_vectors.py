@@ -209,7 +209,7 @@ def test_remaining_length_128_is_80_01() -> None:
 )
 def test_remaining_length_boundaries_in_a_publish(remaining: int, header: str) -> None:
     packet = Publish("t", b"\xa5" * (remaining - 3))
-    wire = packet.encode(V5 - 1)
+    wire = packet.encode(V311)
     assert wire.startswith(h(header) + h("0001 74"))
     assert len(wire) == len(h(header)) + remaining
     assert decode_one(wire, V311) == packet
@@ -248,12 +248,13 @@ def test_mqtt_1_5_5_1_vbi_encoded_with_minimum_number_of_bytes(value: int) -> No
     assert len(encode_vbi(value)) == minimum
 
 
-def test_mqtt_1_5_5_1_remaining_length_is_minimal_for_small_bodies() -> None:
-    for payload in (0, 124, 125, 16380, 16381):
-        wire = Publish("t", b"p" * payload).encode(V311)
-        remaining = 3 + payload
-        assert wire[1 : 1 + len(encode_vbi(remaining))] == encode_vbi(remaining)
-        assert len(wire) == 1 + len(encode_vbi(remaining)) + remaining
+@pytest.mark.parametrize(("payload", "length_bytes"), [(0, 1), (124, 1), (125, 2), (16380, 2), (16381, 3)])
+def test_mqtt_1_5_5_1_remaining_length_uses_minimum_bytes(payload: int, length_bytes: int) -> None:
+    """MQTT-1.5.5-1 for the Remaining Length the encoder writes (body = 3 + payload bytes)."""
+    wire = Publish("t", b"p" * payload).encode(V311)
+    assert len(wire) == 1 + length_bytes + 3 + payload
+    assert wire[length_bytes] < 0x80  # the last Remaining Length byte has no continuation bit
+    assert all(b & 0x80 for b in wire[1:length_bytes])
 
 
 def test_property_vector_publish() -> None:
@@ -283,6 +284,13 @@ def test_mqtt_2_2_1_2_qos0_publish_carries_no_packet_identifier() -> None:
     """MQTT-2.2.1-2 (3.1.1: MQTT-2.3.1-5): a QoS 0 PUBLISH has no Packet Identifier."""
     assert Publish("t", b"", 0, packet_id=7).encode(V311) == h("30 03 0001 74")
     assert decode_one(h("30 03 0001 74"), V311) == Publish("t")
+
+
+def test_mqtt_3_9_3_2_v311_suback_uses_only_0_1_2_and_0x80() -> None:
+    """3.1.1 MQTT-3.9.3-2: 5.0 failure reason codes (0x83, 0x87, 0xA2, ...) go out as 0x80 Failure on 3.1.1."""
+    packet = Suback(1, [0x00, 0x87, 0x02, 0xA2, 0x01, 0x9E])
+    assert packet.encode(V311) == h("90 08 0001 00 80 02 80 01 80")
+    assert packet.encode(V5) == h("90 09 0001 00 00 87 02 a2 01 9e")
 
 
 def test_mqtt_1_5_4_3_bom_is_not_stripped() -> None:

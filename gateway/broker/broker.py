@@ -436,6 +436,9 @@ class Broker:
                                     "[MQTT-3.3.4-6]")
             if alias is not None:
                 props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
+            response_topic = props.get(P.RESPONSE_TOPIC)
+            if response_topic is not None and topic_name_error(response_topic):
+                raise ProtocolError(f"Response Topic {response_topic!r} is not a valid Topic Name [MQTT-3.3.2-14]")
         if not topic:
             raise ProtocolError("PUBLISH with an empty Topic Name and no Topic Alias [MQTT-3.3.2-1]")
         qos = p.qos

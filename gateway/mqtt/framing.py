@@ -24,10 +24,11 @@ class PacketReader:
         max_packet_size: the largest whole packet accepted, in bytes (fixed header included).
     """
 
-    __slots__ = ("_buf", "max_packet_size", "version")
+    __slots__ = ("_buf", "_need", "max_packet_size", "version")
 
     def __init__(self, max_packet_size: int = ABSOLUTE_MAX_PACKET_SIZE, version: int = MQTT_3_1_1) -> None:
-        self._buf = b""
+        self._buf: bytes | bytearray = b""
+        self._need = 0  # bytes the partial packet in _buf needs before it is whole (0 = unknown)
         self.max_packet_size = max_packet_size
         self.version = version
 
@@ -47,7 +48,17 @@ class PacketReader:
             PacketTooLarge: a declared packet size above ``max_packet_size`` [MQTT-3.2.2-15] / [MQTT-3.1.2-24].
             ProtocolError, UnsupportedProtocolVersion, MQTTError: from :func:`decode_packet`.
         """
-        buf = self._buf + data if self._buf else data
+        if self._buf:
+            if self._need and len(self._buf) + len(data) < self._need:
+                # Still short of a whole (large) packet: append in place, amortised O(1) per byte.
+                if not isinstance(self._buf, bytearray):
+                    self._buf = bytearray(self._buf)
+                self._buf += data
+                return
+            buf = bytes(self._buf) + data
+        else:
+            buf = data
+        self._need = 0
         end = len(buf)
         pos = 0
         limit = self.max_packet_size
@@ -87,6 +98,7 @@ class PacketReader:
                 start = pos + hdr
                 stop = start + length
                 if stop > end:
+                    self._need = hdr + length
                     break
                 pos = stop
                 packet = decode_packet(first, buf[start:stop], self.version)
