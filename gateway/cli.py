@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from gateway import __version__
 from gateway.server.config import DEFAULT_BIND, ConfigError, read_config
@@ -59,6 +60,20 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr, force=True)
 
 
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when asked for (or "auto" and installed: the ``fast`` extra), else asyncio's."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            logging.getLogger("gateway").warning("broker.event_loop = \"uvloop\" but uvloop is not installed; "
+                                                 "using asyncio's loop (pip install 'edge-gateway[fast]')")
+        return None
+    return uvloop.new_event_loop
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.runner import BindError, serve
     from gateway.store.lmdb_store import StoreError
@@ -71,7 +86,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     _setup_logging(args.log_level or config.log_level)
     try:
-        asyncio.run(serve(config))
+        with asyncio.Runner(loop_factory=_loop_factory(config.event_loop)) as runner:
+            runner.run(serve(config))
     except BindError as exc:
         print(f"edge-gateway: {exc}", file=sys.stderr)
         return EXIT_BIND

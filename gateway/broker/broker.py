@@ -268,6 +268,9 @@ class Broker:
         conn.version = MQTT_5 if v5 else 4
         limits = conn.limits
         props = p.properties
+        if v5:
+            # Also bounds a refusal CONNACK's Reason String [MQTT-3.2.2-19].
+            conn.max_packet_size = props.get(P.MAXIMUM_PACKET_SIZE)
         if P.AUTHENTICATION_METHOD in props:
             self._refuse(conn, RC.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not supported", now)
             return
@@ -458,7 +461,7 @@ class Broker:
             self._reject_publish(conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload "
                                  "Format Indicator says")
             return
-        if topic.startswith("$SYS"):
+        if topic == "$SYS" or topic.startswith("$SYS/"):
             self._reject_publish(conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
             return
         if p.retain and not self.settings.retain_available:
@@ -720,6 +723,7 @@ class Broker:
         version = conn.version
         props = message.properties
         topic = message.topic
+        new_alias = 0
         if version == MQTT_5 and (sub_ids or message.expires_at is not None or conn.topic_alias_max):
             props = dict(props)
             if sub_ids:
@@ -733,8 +737,7 @@ class Broker:
                     props[P.TOPIC_ALIAS] = alias
                     topic = ""
                 elif len(conn.aliases_out) < conn.topic_alias_max:
-                    alias = len(conn.aliases_out) + 1
-                    conn.aliases_out[topic] = alias
+                    alias = new_alias = len(conn.aliases_out) + 1
                     props[P.TOPIC_ALIAS] = alias
             head, tail = encode_publish_parts(topic, message.payload, qos, retain, props, version)
         else:
@@ -754,6 +757,9 @@ class Broker:
         if conn.max_packet_size is not None and size > conn.max_packet_size:
             self.stats.dropped["packet_too_large"] += 1
             return False
+        if new_alias:
+            # Only a PUBLISH actually sent sets up an alias on the client's side.
+            conn.aliases_out[topic] = new_alias
         out = conn.out
         out.append(head)
         if qos:

@@ -77,6 +77,7 @@ class GatewayConfig:
     listeners: list[ListenerConfig] = field(default_factory=list)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
     log_level: str = "info"
+    event_loop: str = "auto"
     source: str = "<defaults>"
     store: StoreSettings = field(default_factory=StoreSettings)
     store_backend: str = "lmdb"
@@ -138,7 +139,8 @@ _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
     "max_clientid_len": ("int", 23, 65535, "an integer 23..65535"),
 }
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
-_BROKER_KEYS = {"sys_interval", "log_level", "retain_available"}
+_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop"}
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit"}
 
@@ -215,6 +217,12 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"broker.log_level = {value!r}: must be one of {', '.join(LOG_LEVELS)}")
             else:
                 cfg.log_level = value
+        elif key == "event_loop":
+            if value not in EVENT_LOOPS:
+                errors.append(f"broker.event_loop = {value!r}: must be one of {', '.join(EVENT_LOOPS)} "
+                              '("auto" uses uvloop when installed)')
+            else:
+                cfg.event_loop = value
         elif key == "retain_available":
             if not isinstance(value, bool):
                 errors.append(f"broker.retain_available = {value!r}: must be true or false")
