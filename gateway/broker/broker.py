@@ -601,9 +601,11 @@ class Broker:
         self.retained.set(message)
         if message.topic.startswith("$SYS/"):
             return
-        if message.payload:
+        if message.payload and (message.qos or self.store.has_room(None)):
             self.store.retained_saved(message)
         else:
+            # Cleared, or a QoS 0 retained message while the store is full: it must not overflow the store (QoS 0
+            # is never refused), so it is kept in memory only and the stale one on disk is removed (DESIGN.md §4).
             self.store.retained_deleted(message.topic)
 
     def _deliver(self, session: Session, message: Message, qos: int, retain: bool, sub_ids: list[int],

@@ -70,8 +70,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                     addr = server.sockets[0].getsockname()
                     where = f"{addr[0]}:{addr[1]}" if ":" not in addr[0] else f"[{addr[0]}]:{addr[1]}"
             except OSError as exc:
-                raise BindError(f"cannot listen on {listener.bind} (listener {listener.name!r}): "
-                                f"{exc.strerror or exc}") from None
+                reason = exc.strerror or str(exc).rsplit(": ", 1)[-1]
+                raise BindError(f"cannot listen on {listener.bind} (listener {listener.name!r}): {reason}") from None
             servers.append(server)
             log.info("listening on %s (listener %r, max_inflight=%d, max_mqueue_len=%d)", where, listener.name,
                      listener.limits.max_inflight, listener.limits.max_mqueue_len)

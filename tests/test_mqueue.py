@@ -1,0 +1,208 @@
+"""Unit tests of the Message Queue drop policy (gateway/broker/mqueue.py) against a reference model.
+
+Seed 000/002 (EMQX, "Inflight and Queue"): "if the length limit of Message Queue is also reached, subsequent packets
+will still be buffered to the Message Queue, but the first buffered message in the corresponding message queue will
+be discarded. If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first."
+max_mqueue_len: "Message Queue length limit, 0 means no limit".
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.broker.message import Delivery, Message
+from gateway.broker.mqueue import MessageQueue
+
+_mids = itertools.count(1)
+
+
+def make_delivery(qos: int, tag: int | None = None) -> Delivery:
+    """A Delivery of a fresh message at ``qos``; its ``seq`` holds ``tag`` (the model's identity)."""
+    mid = next(_mids)
+    message = Message(mid, "t/x", b"p%d" % mid, qos, False, {}, 0.0)
+    return Delivery(message, qos, seq=mid if tag is None else tag)
+
+
+@dataclass
+class Model:
+    """The reference: a plain list of (tag, qos), oldest first."""
+
+    max_len: int
+    items: list[tuple[int, int]]
+
+    def push(self, tag: int, qos: int) -> tuple[int, int] | None:
+        victim = None
+        if self.max_len and len(self.items) >= self.max_len:
+            index = next((i for i, (_t, q) in enumerate(self.items) if q == 0), 0)
+            victim = self.items.pop(index)
+        self.items.append((tag, qos))
+        return victim
+
+    def pop(self) -> tuple[int, int]:
+        return self.items.pop(0)
+
+    def push_front(self, tag: int, qos: int) -> None:
+        self.items.insert(0, (tag, qos))
+
+
+def snapshot(queue: MessageQueue) -> list[tuple[int, int]]:
+    """The live entries of ``queue`` as (tag, qos), oldest first."""
+    return [(d.seq, d.qos) for d in queue]
+
+
+# One operation: ("push", qos) | ("pop", None) | ("push_front", qos) | ("peek", None); pushes weighted up.
+_op = st.one_of(
+    st.tuples(st.just("push"), st.integers(0, 2)),
+    st.tuples(st.just("push"), st.integers(0, 2)),
+    st.tuples(st.just("push"), st.integers(0, 2)),
+    st.tuples(st.just("pop"), st.none()),
+    st.tuples(st.just("push_front"), st.integers(0, 2)),
+    st.tuples(st.just("peek"), st.none()),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(max_len=st.integers(0, 6), ops=st.lists(_op, max_size=80))
+def test_seed_000_002_drop_policy_matches_reference_model(max_len: int, ops: list[tuple[str, int | None]]) -> None:
+    """Seeds 000/002: the queue never exceeds max_mqueue_len (0 = no limit); when full the new message is still
+    queued and the oldest is dropped, "If there are QoS 0 messages in the queue, the QoS 0 messages will be
+    discarded first"; survivors keep FIFO order; push returns exactly the dropped entry."""
+    queue = MessageQueue(max_len)
+    model = Model(max_len, [])
+    tags = itertools.count(1)
+    fronted = False  # push_front re-queues without a drop, so it may exceed max_len
+    for name, qos in ops:
+        if name == "push":
+            assert qos is not None
+            tag = next(tags)
+            delivery = make_delivery(qos, tag)
+            expected = model.push(tag, qos)
+            before = len(queue)
+            victim = queue.push(delivery)
+            if max_len:
+                assert len(queue) <= max(max_len, before)
+            if expected is None:
+                assert victim is None
+            else:
+                assert victim is not None
+                assert (victim.seq, victim.qos) == expected
+                assert victim.dropped is True
+                assert victim is not delivery
+        elif name == "push_front":
+            # A message taken back out of the window is re-queued at the head, without a drop.
+            assert qos is not None
+            fronted = True
+            tag = next(tags)
+            model.push_front(tag, qos)
+            queue.push_front(make_delivery(qos, tag))
+        elif name == "pop":
+            if model.items:
+                entry = queue.pop()
+                assert (entry.seq, entry.qos) == model.pop()
+            else:
+                with pytest.raises(IndexError):
+                    queue.pop()
+        else:
+            head = queue.peek()
+            if model.items:
+                assert head is not None
+                assert (head.seq, head.qos) == model.items[0]
+            else:
+                assert head is None
+        assert snapshot(queue) == model.items
+        assert len(queue) == len(model.items)
+        assert bool(queue) == bool(model.items)
+        if max_len and not fronted:
+            assert len(queue) <= max_len
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    max_len=st.integers(0, 6),
+    before=st.lists(st.integers(0, 2), max_size=20),
+    remove_qos=st.sets(st.integers(0, 2)),
+    after=st.lists(st.integers(0, 2), max_size=20),
+)
+def test_seed_000_remove_if_then_drop_policy_still_holds(max_len: int, before: list[int], remove_qos: set[int],
+                                                         after: list[int]) -> None:
+    """Seed 004 (expired messages leave the queue) with seeds 000/002: ``remove_if`` drops exactly the matching
+    live entries in order, and the drop policy (QoS 0 first, else the oldest) still holds afterwards."""
+    queue = MessageQueue(max_len)
+    model = Model(max_len, [])
+    tags = itertools.count(1)
+    for qos in before:
+        tag = next(tags)
+        model.push(tag, qos)
+        queue.push(make_delivery(qos, tag))
+    removed = queue.remove_if(lambda d: d.qos in remove_qos)
+    expected_removed = [item for item in model.items if item[1] in remove_qos]
+    assert [(d.seq, d.qos) for d in removed] == expected_removed
+    assert all(d.dropped for d in removed)
+    model.items = [item for item in model.items if item[1] not in remove_qos]
+    assert snapshot(queue) == model.items
+    assert len(queue) == len(model.items)
+    for qos in after:
+        tag = next(tags)
+        expected = model.push(tag, qos)
+        victim = queue.push(make_delivery(qos, tag))
+        assert (None if victim is None else (victim.seq, victim.qos)) == expected
+        assert snapshot(queue) == model.items
+    drained = []
+    while queue:
+        entry = queue.pop()
+        drained.append((entry.seq, entry.qos))
+    assert drained == model.items
+    assert queue.peek() is None
+    assert len(queue) == 0
+
+
+def test_seed_002_full_queue_drops_oldest_qos0_first() -> None:
+    """Seed 002: "If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first" - with
+    max_mqueue_len 3 holding QoS 1, QoS 0, QoS 2, a new QoS 1 evicts the QoS 0 one, the next the oldest QoS 1."""
+    queue = MessageQueue(3)
+    a, b, c = make_delivery(1), make_delivery(0), make_delivery(2)
+    for d in (a, b, c):
+        assert queue.push(d) is None
+    d = make_delivery(1)
+    assert queue.push(d) is b
+    assert list(queue) == [a, c, d]
+    e = make_delivery(0)
+    assert queue.push(e) is a
+    assert list(queue) == [c, d, e]
+    f = make_delivery(2)
+    assert queue.push(f) is e
+    assert list(queue) == [c, d, f]
+    assert queue.peek() is c
+    assert [queue.pop(), queue.pop(), queue.pop()] == [c, d, f]
+    assert queue.peek() is None
+    with pytest.raises(IndexError):
+        queue.pop()
+
+
+def test_seed_000_max_mqueue_len_0_means_no_limit() -> None:
+    """Seed 000: "max_mqueue_len ... Message Queue length limit, 0 means no limit"."""
+    queue = MessageQueue(0)
+    entries = [make_delivery(i % 3) for i in range(5000)]
+    for d in entries:
+        assert queue.push(d) is None
+    assert len(queue) == 5000
+    assert list(queue) == entries
+
+
+def test_seed_000_peek_skips_dropped_head() -> None:
+    """Seed 000: after the oldest QoS 0 entry at the head is dropped, peek and pop see the next live entry."""
+    queue = MessageQueue(2)
+    q0, q1 = make_delivery(0), make_delivery(1)
+    queue.push(q0)
+    queue.push(q1)
+    q2 = make_delivery(2)
+    assert queue.push(q2) is q0
+    assert queue.peek() is q1
+    assert queue.pop() is q1
+    assert queue.peek() is q2
+    assert len(queue) == 1
