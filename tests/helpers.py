@@ -162,16 +162,20 @@ class RawClient:
     def closed_by_server(self, timeout: float = 3.0) -> bool:
         """True when the server closes the connection within ``timeout`` (packets before it are kept)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                self._pending.append(self.recv(deadline - time.monotonic()))
-            except ConnectionError:
-                return True
-            except TimeoutError:
-                return False
-            except OSError:
-                return True
-        return False
+        kept, self._pending = self._pending, []
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    kept.append(self.recv(deadline - time.monotonic()))
+                except ConnectionError:
+                    return True
+                except TimeoutError:
+                    return False
+                except OSError:
+                    return True
+            return False
+        finally:
+            self._pending = kept + self._pending
 
     def close(self) -> None:
         try:

@@ -942,7 +942,9 @@ class Broker:
         self._offline.add(session)
         self.store.session_saved(session)  # the offline deadline survives a restart
         if will is not None and publish_will:
-            if delay and (session.expires_at is None or now + delay < session.expires_at):
+            if delay:
+                # Due when the delay passes or the session ends, whichever is first (_end_session publishes it);
+                # a reconnection before then cancels it [MQTT-3.1.3-9].
                 session.will = will
                 session.will_at = now + delay
                 self._wills.add(session)
