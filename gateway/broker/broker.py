@@ -192,6 +192,19 @@ class Broker:
             conn.state = CLOSED
             self._detach(conn, now, publish_will=True)
 
+    def pause_writing(self, conn: Connection) -> None:
+        """The connection's socket buffer is full: hold further messages in its Message Queue (bounded by
+        ``max_mqueue_len``, QoS 0 dropped first) instead of the socket buffer, so a slow subscriber cannot grow
+        the broker's memory without bound."""
+        conn.paused = True
+
+    def resume_writing(self, conn: Connection, now: float) -> None:
+        """The socket drained below its low-water mark: send what waited."""
+        conn.paused = False
+        session = conn.session
+        if session is not None and session.conn is conn:
+            self._pump(session, now)
+
     def shutdown(self, now: float) -> None:
         """Server shutting down: DISCONNECT 0x8B to 5.0 clients, close every connection (MQTT 5.0 §3.14)."""
         for conn in list(self.connections):
@@ -301,6 +314,10 @@ class Broker:
                 return
             if v5 and will.properties.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not _is_utf8(will.payload):
                 self._refuse(conn, RC.PAYLOAD_FORMAT_INVALID, "Will Payload is not UTF-8 (MQTT 5.0 §3.1.3.2.3)", now)
+                return
+            if v5 and will.retain and not self.settings.retain_available:
+                self._refuse(conn, RC.RETAIN_NOT_SUPPORTED, "Will Retain 1, but retained messages are not "
+                             "supported [MQTT-3.2.2-13]", now)
                 return
 
         # Session Expiry Interval: 5.0 from the CONNECT (capped), 3.1.1 from Clean Session.
@@ -518,7 +535,12 @@ class Broker:
         if entry is not None:
             if session.persistent:
                 self.store.inbound_deleted(session.client_id, p.packet_id)
-            self._publish(entry[0], now)
+            if entry[0].expired(now):
+                # Expired before onward delivery started: no copy for anyone [MQTT-3.3.2-5]; the flow still
+                # completes with PUBCOMP 0x00 [MQTT-4.3.3-13].
+                self.stats.dropped["expired"] += 1
+            else:
+                self._publish(entry[0], now)
         elif conn.version == MQTT_5:
             # PUBCOMP also for an unknown identifier (seed 003), 5.0 with 0x92 (MQTT 5.0 §3.7.2.1).
             reason = RC.PACKET_IDENTIFIER_NOT_FOUND
@@ -613,7 +635,7 @@ class Broker:
         """Give ``message`` to ``session`` at ``qos``: out now, into the Inflight Window, or into the Message
         Queue (seed 000: QoS 0 to an online client bypasses both)."""
         conn = session.conn
-        if conn is not None and qos == 0:
+        if conn is not None and qos == 0 and not conn.paused:
             self._write_publish(conn, message, 0, retain, 0, False, sub_ids, now)
             return
         limits = session.limits
@@ -627,7 +649,7 @@ class Broker:
         else:
             expires_at = message.expires_at
         delivery = Delivery(message, qos, retain, sub_ids, expires_at=expires_at)
-        if conn is not None and not session.mqueue and len(session.inflight) < conn.window:
+        if conn is not None and qos and not conn.paused and not session.mqueue and len(session.inflight) < conn.window:
             self._send_new(session, conn, delivery, now)
             return
         self._enqueue(session, delivery)
@@ -693,7 +715,7 @@ class Broker:
         inflight = session.inflight
         window = conn.window
         persistent = session.persistent
-        while mqueue and len(inflight) < window:
+        while mqueue and len(inflight) < window and not conn.paused:
             delivery = mqueue.pop()
             if delivery.expires_at is not None and now >= delivery.expires_at:
                 self.stats.dropped["expired"] += 1

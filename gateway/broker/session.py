@@ -109,6 +109,7 @@ class Connection:
         topic_alias_max: the client's Topic Alias Maximum (outbound aliases we may use).
         aliases_in / aliases_out: Topic Alias mappings of this connection (MQTT 5.0 §3.3.2.3.4).
         inbound_pending: QoS 1/2 PUBLISHes received and not yet acknowledged (Receive Maximum accounting).
+        paused: the socket's write buffer is above its high-water mark; messages wait in the Message Queue.
     """
 
     __slots__ = (
@@ -125,6 +126,7 @@ class Connection:
         "max_packet_size",
         "opened_at",
         "out",
+        "paused",
         "peer",
         "reader",
         "request_problem_info",
@@ -158,6 +160,7 @@ class Connection:
         self.aliases_in: dict[int, str] = {}
         self.aliases_out: dict[str, int] = {}
         self.inbound_pending = 0
+        self.paused = False
         self.will: Will | None = None
         self.request_problem_info = True
         self.transport: Any = None

@@ -121,6 +121,15 @@ class MQTTProtocol(asyncio.Protocol):
             conn.transport.close()
         self.io.schedule_flush()
 
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.io.broker.pause_writing(self.conn)
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.io.broker.resume_writing(self.conn, time.time())
+            self.io.schedule_flush()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.io.open_connections.discard(self)
         conn = self.conn

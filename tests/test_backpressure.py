@@ -1,0 +1,73 @@
+"""A subscriber that stops reading cannot grow the broker without bound: once its socket buffer is full,
+messages wait in its Message Queue, which is bounded by ``max_mqueue_len`` and drops the oldest QoS 0 first
+(seeds 000-002)."""
+
+from __future__ import annotations
+
+import time
+
+from helpers import BrokerProcess, RawClient
+
+from gateway.mqtt.packets import Publish, Subscribe, Subscription
+
+CONFIG = """
+[broker]
+sys_interval = "1s"
+[listeners.external]
+bind = "127.0.0.1:0"
+max_mqueue_len = 100
+"""
+
+
+def _sys_value(port: int, name: str) -> int:
+    watcher = RawClient(port, version=5)
+    try:
+        watcher.connect("watcher")
+        watcher.send(Subscribe(1, [Subscription(f"$SYS/broker/{name}", 0)]))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            packet = watcher.recv(5)
+            if isinstance(packet, Publish):
+                return int(packet.payload)
+        raise AssertionError(f"no $SYS/broker/{name}")
+    finally:
+        watcher.close()
+
+
+def test_slow_qos0_subscriber_is_bounded_by_max_mqueue_len(make_broker) -> None:  # type: ignore[no-untyped-def]
+    """Seed 000: "if the length limit of Message Queue is also reached ... the first buffered message ... will be
+    discarded. If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first"; here the
+    limit applies to a subscriber whose socket is full, so memory stays bounded."""
+    broker: BrokerProcess = make_broker(CONFIG)
+    slow = RawClient(broker.port, version=5)
+    slow.connect("slow")
+    slow.send(Subscribe(1, [Subscription("flood/#", 0)]))
+    slow.recv()
+    publisher = RawClient(broker.port, version=5)
+    publisher.connect("fast")
+    payload = b"x" * 1024
+    total = 20000  # ~20 MB, far more than socket buffers hold
+    batch = b"".join(Publish("flood/a", payload).encode(5) for _ in range(100))
+    for _ in range(total // 100):
+        publisher.send(batch)
+    # The broker still answers while the subscriber is stuck, and counts the drops.
+    deadline = time.monotonic() + 10
+    dropped = 0
+    while time.monotonic() < deadline and not dropped:
+        dropped = _sys_value(broker.port, "messages/dropped/mqueue_full_qos0")
+    assert dropped > 0
+    # Now the subscriber reads what the broker still holds for it: socket buffers plus at most 100 queued.
+    received = 0
+    try:
+        while True:
+            packet = slow.recv(1.0)
+            if isinstance(packet, Publish):
+                received += 1
+    except TimeoutError:
+        pass
+    time.sleep(1.2)  # one $SYS interval, so the counter is current
+    dropped = _sys_value(broker.port, "messages/dropped/mqueue_full_qos0")
+    assert received + dropped == total
+    assert 100 <= received < total
+    publisher.close()
+    slow.close()
