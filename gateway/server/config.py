@@ -141,7 +141,7 @@ _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop"}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
-_TOP_KEYS = {"broker", "listeners", "store", "upstream"}
+_TOP_KEYS = {"broker", "listeners", "store"}
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit"}
 
 

@@ -107,6 +107,7 @@ class LmdbStore:
         self.committed_ops = 0
         self.last_commit_at = time.monotonic()
         self.write_errors = 0
+        self.last_write_failed = False
         self.refused = 0
         self.quarantined: str | None = None
         self.closed = False
@@ -137,7 +138,7 @@ class LmdbStore:
             raise StoreError(f"store {self.path} is in use by another process") from None
         self._lock_fd = fd
 
-    def load(self, now: float) -> LoadedState:
+    def load(self, now: float, cleanup: bool = True) -> LoadedState:
         """Open the environment and read everything back (expired sessions and messages removed and counted).
 
         A store that cannot be opened or read is moved aside to ``<path>.corrupt-<timestamp>`` and an empty one
@@ -146,7 +147,7 @@ class LmdbStore:
         self._take_lock()
         try:
             self._open_env()
-            state = self._read_all(now)
+            state = self._read_all(now, cleanup)
         except Exception as exc:
             if isinstance(exc, StoreError):
                 raise
@@ -168,11 +169,11 @@ class LmdbStore:
             log.critical("STORE CORRUPT: %s cannot be opened (%s); moved aside to %s and starting with an EMPTY "
                          "store", self.path, exc, target)
             self._open_env()
-            state = self._read_all(now)
+            state = self._read_all(now, cleanup)
         self._start_writer()
         return state
 
-    def _read_all(self, now: float) -> LoadedState:
+    def _read_all(self, now: float, cleanup: bool = True) -> LoadedState:
         assert self.env is not None
         meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db = self.dbs
         state = LoadedState()
@@ -253,6 +254,9 @@ class LmdbStore:
         self._seq = int(seq) if seq is not None else 1
         state.next_mid = int(next_mid) if next_mid is not None else 1
         state.sessions = list(sessions.values())
+        self.expired_on_load = len(expired_sessions), len(expired_rows) + len(expired_retained)
+        if not cleanup:
+            return state
         # Remove what expired while the broker was down, and what nothing references.
         with self.env.begin(write=True) as txn:
             txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=meta)
@@ -273,7 +277,6 @@ class LmdbStore:
                 txn.delete(key, db=retained_db)
             for key in orphans:
                 txn.delete(key, db=messages)
-        self.expired_on_load = len(expired_sessions), len(expired_rows) + len(expired_retained)
         if expired_sessions or expired_rows or expired_retained:
             log.info("store: removed %d expired sessions and %d expired messages on start", len(expired_sessions),
                      len(expired_rows) + len(expired_retained))
@@ -384,16 +387,17 @@ class LmdbStore:
             ops = [op for batch in batches for op in batch[0]]
             ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
-            self._commit(ops)
+            ok = self._commit(ops)
             self.commits += 1
             self.committed_ops += len(ops)
             self.last_commit_at = time.monotonic()
             loop = self.loop
             if loop is not None and not loop.is_closed():
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._committed, len(batches))
+                    loop.call_soon_threadsafe(self._committed, len(batches), ok)
 
-    def _commit(self, ops: list[tuple[Any, ...]]) -> None:
+    def _commit(self, ops: list[tuple[Any, ...]]) -> bool:
+        """Apply ``ops`` in one transaction (growing the map as needed); False when they could not be written."""
         assert self.env is not None
         refs_before = dict(self._refs)
         while True:
@@ -405,9 +409,10 @@ class LmdbStore:
                 self._refs = dict(refs_before)
                 if self.map_size >= self.settings.max_size:
                     self.write_errors += 1
-                    log.critical("store full at max_size=%d bytes: a batch of %d changes could not be written",
-                                 self.settings.max_size, len(ops))
-                    return
+                    log.critical("store full at max_size=%d bytes: a batch of %d changes could not be written; "
+                                 "its acknowledgements are withheld", self.settings.max_size, len(ops))
+                    self.last_write_failed = True
+                    return False
                 new_size = min(self.settings.max_size, self.map_size * 2)
                 self.env.set_mapsize(new_size)
                 self.map_size = new_size
@@ -415,9 +420,13 @@ class LmdbStore:
             except lmdb.Error as exc:
                 self._refs = dict(refs_before)
                 self.write_errors += 1
-                log.critical("store write failed (%s): %d changes not written", exc, len(ops))
-                return
+                log.critical("store write failed (%s): %d changes not written; their acknowledgements are withheld",
+                             exc, len(ops))
+                self.last_write_failed = True
+                return False
+        self.last_write_failed = False
         self._update_used()
+        return True
 
     def _update_used(self) -> None:
         assert self.env is not None
@@ -428,12 +437,17 @@ class LmdbStore:
                 used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
         self.used_bytes = used
 
-    def _committed(self, count: int) -> None:
+    def _committed(self, count: int, ok: bool = True) -> None:
+        """Run the callbacks of ``count`` committed batches; when the write failed, drop them instead: nothing
+        that was not written is acknowledged (the clients re-send after they reconnect)."""
         ran = False
         for _ in range(count):
             if not self._inflight:
                 break
-            for cb in self._inflight.popleft():
+            callbacks = self._inflight.popleft()
+            if not ok:
+                continue
+            for cb in callbacks:
                 ran = True
                 try:
                     cb()
@@ -452,9 +466,9 @@ class LmdbStore:
             self._submit_scheduled = False
             ops, self._ops = self._ops, []
             cbs, self._cbs = self._cbs, []
-            self._commit(ops)
-            for cb in cbs:
-                cb()
+            if self._commit(ops):
+                for cb in cbs:
+                    cb()
         elif self.settings.commit_interval > 0:
             loop.call_later(self.settings.commit_interval, self._submit)
         else:
@@ -538,7 +552,7 @@ class LmdbStore:
     def has_room(self, client_id: str | None) -> bool:
         limit = self.settings.max_size
         headroom = max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))
-        if self.used_bytes + headroom < limit and not self.write_errors:
+        if self.used_bytes + headroom < limit and not self.last_write_failed:
             return True
         self.refused += 1
         if self.refused in (1, 10, 100) or self.refused % 1000 == 0:

@@ -20,7 +20,7 @@ def _open(settings: StoreSettings) -> LmdbStore:
     if not (Path(settings.path) / "data.mdb").exists():
         raise FileNotFoundError(f"no store at {settings.path} (data.mdb missing)")
     store = LmdbStore(StoreSettings(settings.path, settings.max_size, 0, "refuse"))
-    store.load(time.time())
+    store.load(time.time(), cleanup=False)  # look, do not change
     return store
 
 
@@ -54,7 +54,7 @@ def inspect(settings: StoreSettings, out: TextIO = sys.stdout) -> int:
     """Print every persistent session (expiry, subscriptions, queue depth, inflight) and retained topic."""
     store = _open(settings)
     try:
-        state = store._read_all(time.time())
+        state = store._read_all(time.time(), cleanup=False)
     finally:
         store.close()
     now = time.time()

@@ -1,0 +1,100 @@
+"""Smoke test of the benchmark load generator (bench/loadgen.py, issue "Benchmarks side by side with Mosquitto").
+
+Its self-check runs publishers and subscribers against the built-in do-nothing sink on 127.0.0.1 for well under a
+second per check; these tests assert that it counted and verified every message exactly (sequence numbers, no loss,
+no duplicates, order) and that it refuses a port no broker of its own listens on. They never look at speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import loadgen  # noqa: E402
+
+SUBSCRIBE_CHECKS = ("subscribe_qos0", "subscribe_qos1", "subscribe_fanout")
+
+
+def _self_check(*args: str) -> dict[str, Any]:
+    """Run ``loadgen.py --self-check`` in a subprocess (it forks its workers) and return its JSON report."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "loadgen.py"), "--self-check", "--json", "--no-pin", "--seconds", "0.3",
+         "--connections", "200", *args],
+        capture_output=True, text=True, timeout=90, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_self_check_counts_and_verifies_every_message() -> None:
+    """Against the sink, every message published is received by the sink, every QoS 1 one acknowledged once,
+    and every streamed message is received once, in sequence, with nothing lost or duplicated."""
+    res = _self_check()
+    assert set(res) == {"publish_qos0", "publish_qos1", *SUBSCRIBE_CHECKS, "connect"}
+
+    pub0 = res["publish_qos0"]
+    assert pub0["sent"] > 0
+    assert pub0["sink_received"] == pub0["sent"]
+    assert pub0["errors"] == []
+
+    pub1 = res["publish_qos1"]
+    assert pub1["sent"] > 0
+    assert pub1["acked"] == pub1["sent"] == pub1["sink_received"]
+    assert pub1["acked_distinct_ok"] is True
+    assert pub1["errors"] == []
+
+    for name in SUBSCRIBE_CHECKS:
+        r = res[name]
+        expected = r["expected_each"] * r["subscribers"]
+        assert r["expected_each"] > 0, name
+        assert (r["received"], r["unique"]) == (expected, expected), name
+        assert (r["lost"], r["dups"], r["out_of_order"], r["bad"]) == (0, 0, 0, 0), name
+    assert res["subscribe_fanout"]["subscribers"] == 50
+    assert res["subscribe_qos1"]["acks_at_sink"] == res["subscribe_qos1"]["received"]
+    assert res["subscribe_qos0"]["acks_at_sink"] == 0
+
+    assert (res["connect"]["connected"], res["connect"]["failed"]) == (200, 0)
+
+
+def test_self_check_detects_one_loss_one_duplicate_one_reorder() -> None:
+    """With --faults the sink drops seq 10, sends seq 20 twice and seq 31 before 30 (publisher 0): the checker
+    must report exactly one of each and still count every other message."""
+    res = _self_check("--faults", "--only", "subscribe_qos0,subscribe_qos1")
+    for name in ("subscribe_qos0", "subscribe_qos1"):
+        r = res[name]
+        streamed = r["expected_each"] + 1  # every message but the dropped one, plus the duplicate
+        assert r["received"] == streamed, name
+        assert r["unique"] == r["expected_each"], name
+        assert (r["lost"], r["dups"], r["out_of_order"], r["bad"]) == (1, 1, 1, 0), name
+    assert res["subscribe_qos1"]["acks_at_sink"] == res["subscribe_qos1"]["received"]
+
+
+def test_target_check_refuses_ports_the_harness_did_not_start() -> None:
+    """A worker refuses a port unless the harness's own child process listens on it (bench safety rule)."""
+    me = os.getpid()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(loadgen.TargetError, match="is not a child of the harness"):
+            loadgen.check_target(loadgen.Target(port, me, me, "self"))
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            with pytest.raises(loadgen.TargetError, match="is not listened on by"):
+                loadgen.check_target(loadgen.Target(port, child.pid, me, "child"))
+            s.close()
+            with pytest.raises(loadgen.TargetError, match="nothing listens on"):
+                loadgen.check_target(loadgen.Target(port, child.pid, me, "child"))
+        finally:
+            child.kill()
+            child.wait()
