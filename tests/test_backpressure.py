@@ -8,7 +8,7 @@ import time
 
 from helpers import BrokerProcess, RawClient
 
-from gateway.mqtt.packets import Publish, Subscribe, Subscription
+from gateway.mqtt.packets import PubAck, Publish, Subscribe, Subscription
 
 CONFIG = """
 [broker]
@@ -71,3 +71,42 @@ def test_slow_qos0_subscriber_is_bounded_by_max_mqueue_len(make_broker) -> None:
     assert 100 <= received < total
     publisher.close()
     slow.close()
+
+
+def test_per_client_byte_quota_drops_oldest_of_an_offline_queue(make_broker) -> None:  # type: ignore[no-untyped-def]
+    """DESIGN.md §4: "per-client quotas keep one slow client from filling it": ``max_mqueue_bytes`` bounds the
+    payload bytes one session's queue holds; over it the oldest message goes, as with ``max_mqueue_len``."""
+    broker: BrokerProcess = make_broker("""
+[broker]
+sys_interval = "1s"
+[listeners.external]
+bind = "127.0.0.1:0"
+max_mqueue_bytes = "10KB"
+""")
+    sub = RawClient(broker.port, version=5)
+    sub.connect("quota-sub", properties={0x11: 600})
+    sub.send(Subscribe(1, [Subscription("quota/#", 1)]))
+    sub.recv()
+    sub.close()
+    publisher = RawClient(broker.port, version=5)
+    publisher.connect("quota-pub")
+    for i in range(50):
+        publisher.send(Publish("quota/a", i.to_bytes(2, "big") + b"x" * 1022, 1, packet_id=i + 1))
+    acks = [publisher.recv() for _ in range(50)]
+    assert len(acks) == 50
+    sub = RawClient(broker.port, version=5)
+    assert sub.connect("quota-sub", clean_start=False, properties={0x11: 600}).session_present
+    got = []
+    try:
+        while True:
+            packet = sub.recv(1.0)
+            if isinstance(packet, Publish):
+                got.append(int.from_bytes(packet.payload[:2], "big"))
+                sub.send(PubAck(packet.packet_id))  # type: ignore[arg-type]
+    except TimeoutError:
+        pass
+    assert got == list(range(40, 50))  # 10 KB = the newest ten 1 KB messages, in order
+    time.sleep(1.2)
+    assert _sys_value(broker.port, "messages/dropped/mqueue_quota") == 40
+    publisher.close()
+    sub.close()

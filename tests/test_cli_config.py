@@ -61,8 +61,8 @@ session_expiry_interval = "5 minutes"
 """
 
 _ALLOWED_LISTENER_KEYS = ("await_rel_timeout, bind, connect_timeout, max_awaiting_rel, max_clientid_len, max_inflight, "
-                          "max_keepalive, max_mqueue_len, max_packet_size, message_expiry_interval, mqueue_store_qos0, "
-                          "retry_interval, session_expiry_interval, topic_alias_maximum, zone")
+                          "max_keepalive, max_mqueue_bytes, max_mqueue_len, max_packet_size, message_expiry_interval, "
+                          "mqueue_store_qos0, retry_interval, session_expiry_interval, topic_alias_maximum, zone")
 
 BAD_ERRORS = [
     "listeners.a.bind = 'localhost': must be \"host:port\" (port 0..65535) or a Unix socket path",

@@ -373,6 +373,7 @@ class Broker:
         if session.limits is not limits:
             session.limits = limits
             session.mqueue.max_len = limits.max_mqueue_len
+            session.mqueue.max_bytes = limits.max_mqueue_bytes
         if session.persistent:
             self.store.session_saved(session)
         elif was_persistent:
@@ -661,18 +662,25 @@ class Broker:
             # of acknowledged work fail (DESIGN.md §4): drop it for the offline session instead.
             self.stats.dropped["store_full_qos0"] += 1
             return
-        victim = session.mqueue.push(delivery)
+        mqueue = session.mqueue
+        victim = mqueue.push(delivery)
         if persistent and (delivery.qos or session.limits.mqueue_store_qos0):
             self.store.delivery_saved(session.client_id, delivery)
         if victim is not None:
-            reason = "mqueue_full_qos0" if victim.qos == 0 else "mqueue_full"
-            self.stats.dropped[reason] += 1
-            if persistent:
-                self.store.delivery_deleted(session.client_id, victim)
-            if self.stats.dropped[reason] in (1, 10, 100, 1000) or self.stats.dropped[reason] % 10000 == 0:
-                log.warning("Message Queue of %r full (max_mqueue_len=%d): dropped the oldest %s message (%d so "
-                            "far)", session.client_id, session.mqueue.max_len,
-                            "QoS 0" if victim.qos == 0 else f"QoS {victim.qos}", self.stats.dropped[reason])
+            self._queue_drop(session, victim, "mqueue_full", f"max_mqueue_len={mqueue.max_len}")
+        while mqueue.over_quota():
+            self._queue_drop(session, mqueue.drop_oldest(), "mqueue_quota", f"max_mqueue_bytes={mqueue.max_bytes}")
+
+    def _queue_drop(self, session: Session, victim: Delivery, reason: str, limit: str) -> None:
+        """Count, forget and (rate-limited) log a message the Message Queue dropped (seed 000)."""
+        if victim.qos == 0:
+            reason += "_qos0"
+        count = self.stats.dropped[reason] = self.stats.dropped[reason] + 1
+        if session.persistent:
+            self.store.delivery_deleted(session.client_id, victim)
+        if count in (1, 10, 100, 1000) or count % 10000 == 0:
+            log.warning("Message Queue of %r full (%s): dropped the oldest %s message (%d so far)", session.client_id,
+                        limit, "QoS 0" if victim.qos == 0 else f"QoS {victim.qos}", count)
 
     def _send_new(self, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
         """Put ``delivery`` into the Inflight Window with a fresh Packet Identifier and send it.

@@ -18,6 +18,8 @@ class ZoneLimits:
             an MQTT 5 client's Receive Maximum caps it (seed 000).
         max_mqueue_len: Message Queue length, messages; 0 = no limit. When full the oldest message is
             dropped, a QoS 0 one first (seed 000).
+        max_mqueue_bytes: per-client quota on the payload bytes its Message Queue holds; 0 = no limit. Over it
+            the oldest message is dropped by the same policy, so one slow client cannot fill the store.
         mqueue_store_qos0: queue QoS 0 messages for an offline persistent session (seed 000).
         retry_interval: seconds after which an unacknowledged PUBLISH is re-sent with DUP=1 to a 3.1.1
             client in the same connection; 0 = only on reconnect. Never used for 5.0 [MQTT-4.4.0-1].
@@ -37,6 +39,7 @@ class ZoneLimits:
 
     max_inflight: int = 32
     max_mqueue_len: int = 1000
+    max_mqueue_bytes: int = 64 * 1024 * 1024
     mqueue_store_qos0: bool = True
     retry_interval: float = 0.0
     max_awaiting_rel: int = 100

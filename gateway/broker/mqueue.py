@@ -19,12 +19,17 @@ class MessageQueue:
 
     Attributes:
         max_len: length limit in messages; 0 = no limit.
+        max_bytes: payload bytes the queue may hold (a per-client quota); 0 = no limit. Enforced by the owner
+            through :meth:`over_quota` and :meth:`drop_oldest`, with the same policy.
+        bytes: payload bytes of the entries held.
     """
 
-    __slots__ = ("_items", "_len", "_qos0", "max_len")
+    __slots__ = ("_items", "_len", "_qos0", "bytes", "max_bytes", "max_len")
 
-    def __init__(self, max_len: int = 1000) -> None:
+    def __init__(self, max_len: int = 1000, max_bytes: int = 0) -> None:
         self.max_len = max_len
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._items: deque[Delivery] = deque()
         self._qos0: deque[Delivery] = deque()
         self._len = 0
@@ -47,7 +52,17 @@ class MessageQueue:
         if delivery.qos == 0:
             self._qos0.append(delivery)
         self._len += 1
+        self.bytes += len(delivery.message.payload)
         return victim
+
+    def over_quota(self) -> bool:
+        """True while the queue holds more than ``max_bytes`` payload bytes (and more than one entry)."""
+        return bool(self.max_bytes) and self.bytes > self.max_bytes and self._len > 1
+
+    def drop_oldest(self) -> Delivery:
+        """Drop by the policy (oldest QoS 0, else oldest) and return the victim. Raises ``IndexError`` when
+        empty."""
+        return self._drop_one()
 
     def push_front(self, delivery: Delivery) -> None:
         """Put ``delivery`` back at the head (a message taken out of the window to be re-queued)."""
@@ -55,6 +70,7 @@ class MessageQueue:
         if delivery.qos == 0:
             self._qos0.appendleft(delivery)
         self._len += 1
+        self.bytes += len(delivery.message.payload)
 
     def _drop_one(self) -> Delivery:
         qos0 = self._qos0
@@ -63,6 +79,7 @@ class MessageQueue:
             if not entry.dropped:
                 entry.dropped = True
                 self._len -= 1
+                self.bytes -= len(entry.message.payload)
                 return entry
         entry = self.pop()
         entry.dropped = True
@@ -75,6 +92,7 @@ class MessageQueue:
             entry = items.popleft()
             if not entry.dropped:
                 self._len -= 1
+                self.bytes -= len(entry.message.payload)
                 if entry.qos == 0:
                     # Its index entry (if still there) is at the head of _qos0.
                     qos0 = self._qos0
@@ -95,6 +113,7 @@ class MessageQueue:
         for entry in removed:
             entry.dropped = True
             self._len -= 1
+            self.bytes -= len(entry.message.payload)
         if removed:
             self._items = deque(d for d in self._items if not d.dropped)
             self._qos0 = deque(d for d in self._qos0 if not d.dropped)
@@ -105,3 +124,4 @@ class MessageQueue:
         self._items.clear()
         self._qos0.clear()
         self._len = 0
+        self.bytes = 0

@@ -62,7 +62,7 @@ class Session:
         self.expiry_interval = expiry_interval
         self.subscriptions: dict[str, SubscriptionRecord] = {}
         self.inflight: dict[int, Delivery] = {}
-        self.mqueue = MessageQueue(limits.max_mqueue_len)
+        self.mqueue = MessageQueue(limits.max_mqueue_len, limits.max_mqueue_bytes)
         self.awaiting_rel: dict[int, tuple[Message, float]] = {}
         self.next_packet_id = 1
         self.conn: Connection | None = None

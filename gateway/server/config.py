@@ -126,6 +126,7 @@ def parse_size(value: Any) -> int:
 _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
     "max_inflight": ("int", 0, 65535, "an integer 0..65535 (0 = no limit)"),
     "max_mqueue_len": ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"),
+    "max_mqueue_bytes": ("size", 0, 2**40, 'a size such as "64MB" (0 = no limit)'),
     "mqueue_store_qos0": ("bool", 0, 1, "true or false"),
     "retry_interval": ("duration", 0, 86400, 'a duration such as "30s" (0 = off)'),
     "max_awaiting_rel": ("int", 1, 65535, "an integer 1..65535"),
