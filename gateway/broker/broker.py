@@ -53,6 +53,12 @@ log = logging.getLogger("gateway.broker")
 
 RC = ReasonCode
 
+#: Flow control: an online session is congested when its Message Queue holds at least this many messages (or
+#: 4x its Inflight Window) while its client still acknowledges; publishers are paused until it drains to one
+#: window. A client silent for STALLED_AFTER seconds is not waited for.
+CONGESTION_MIN = 256
+STALLED_AFTER = 1.0
+
 # Properties a PUBLISH carries from the publisher to subscribers (MQTT 5.0 §3.3.2.3).
 _STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 
@@ -106,6 +112,9 @@ class Broker:
         self._next_mid = 1
         self._offline: set[Session] = set()
         self._wills: set[Session] = set()
+        #: Online sessions whose consumer acknowledges but falls behind: the I/O layer pauses reading from
+        #: publishers while this is non-empty (flow control, so backlogs and latency stay bounded).
+        self.congested: set[Session] = set()
         self._next_sys = now
         self._next_sweep = now
         self._enc_mid = 0
@@ -654,6 +663,9 @@ class Broker:
             self._send_new(session, conn, delivery, now)
             return
         self._enqueue(session, delivery)
+        if conn is not None and len(session.mqueue) >= max(CONGESTION_MIN, 4 * conn.window) \
+                and now - conn.last_ack_at < STALLED_AFTER:
+            self.congested.add(session)
 
     def _enqueue(self, session: Session, delivery: Delivery) -> None:
         persistent = session.persistent
@@ -693,14 +705,11 @@ class Broker:
         delivery.sent_at = now
         session.inflight[pid] = delivery
         if session.persistent:
-            if delivery.qos == 1:
-                # Out at once, unless a QoS 2 PUBLISH still waits for its commit: never overtake it (FIFO, seed 000).
-                self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now))
-                if session.inflight.get(pid) is delivery:
-                    self.store.delivery_saved(session.client_id, delivery)
-                return
-            self.store.delivery_saved(session.client_id, delivery)
-            if delivery.qos == 2:
+            self.store.delivery_saved(session.client_id, delivery)  # in flight, to re-send with DUP=1
+            if delivery.qos == 2 or session.held_sends:
+                # QoS 2 waits for that record; anything behind a held send waits too (FIFO, seed 000). A QoS 1
+                # PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows.
+                session.held_sends += 1
                 self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now))
                 return
         if not self._write_publish(conn, delivery.message, delivery.qos, delivery.retain, pid, False,
@@ -708,11 +717,17 @@ class Broker:
             self._finish(session, delivery)
 
     def _send_durable(self, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+        session.held_sends -= 1
         if conn.state != CONNECTED or session.inflight.get(delivery.packet_id) is not delivery:
             return
         if not self._write_publish(conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id,
                                    False, delivery.sub_ids, now):
             self._finish(session, delivery)
+
+    def _send_held_qos0(self, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+        session.held_sends -= 1
+        if conn.state == CONNECTED:
+            self._write_publish(conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
 
     def _pump(self, session: Session, now: float) -> None:
         """Move queued messages into the Inflight Window while it has room, FIFO (seed 000)."""
@@ -731,16 +746,20 @@ class Broker:
                     self.store.delivery_deleted(session.client_id, delivery)
                 continue
             if delivery.qos == 0:
-                if persistent:
-                    # Behind any QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
-                    self.store.when_durable(
-                        lambda d=delivery: self._write_publish(conn, d.message, 0, d.retain, 0, False, d.sub_ids, now)
-                        if conn.state == CONNECTED else None)
+                if persistent and session.held_sends:
+                    # Behind a QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
+                    session.held_sends += 1
+                    self.store.when_durable(lambda d=delivery: self._send_held_qos0(session, conn, d, now))
+                    self.store.delivery_deleted(session.client_id, delivery)
+                elif persistent:
+                    self._write_publish(conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
                     self.store.delivery_deleted(session.client_id, delivery)
                 else:
                     self._write_publish(conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
                 continue
             self._send_new(session, conn, delivery, now)
+        if session in self.congested and len(mqueue) <= window:
+            self.congested.discard(session)
 
     def _finish(self, session: Session, delivery: Delivery) -> None:
         """A delivery left the Inflight Window for good (acknowledged, refused or undeliverable)."""
@@ -805,6 +824,7 @@ class Broker:
     # ------------------------------------------------------------------------------------------ acks in
 
     def _on_puback(self, conn: Connection, p: PubAck, now: float) -> None:
+        conn.last_ack_at = now
         session = conn.session
         assert session is not None
         delivery = session.inflight.get(p.packet_id)
@@ -815,6 +835,7 @@ class Broker:
         self._pump(session, now)
 
     def _on_pubrec(self, conn: Connection, p: PubRec, now: float) -> None:
+        conn.last_ack_at = now
         session = conn.session
         assert session is not None
         delivery = session.inflight.get(p.packet_id)
@@ -838,6 +859,7 @@ class Broker:
         self._send(conn, PubRel(p.packet_id))
 
     def _on_pubcomp(self, conn: Connection, p: PubComp, now: float) -> None:
+        conn.last_ack_at = now
         session = conn.session
         assert session is not None
         delivery = session.inflight.get(p.packet_id)
@@ -959,6 +981,7 @@ class Broker:
         if session is None or session.conn is not conn:
             return
         session.conn = None
+        self.congested.discard(session)
         self.stats.clients_connected -= 1
         delay = 0
         if will is not None and publish_will and conn.version == MQTT_5:
@@ -1046,6 +1069,11 @@ class Broker:
                             self._write_publish(conn, delivery.message, delivery.qos, delivery.retain,
                                                 delivery.packet_id, True, delivery.sub_ids, now)
             self._expire_awaiting_rel(session, now)
+        for session in list(self.congested):
+            if session.conn is None or now - session.conn.last_ack_at >= STALLED_AFTER:
+                # A consumer that stopped acknowledging does not hold publishers back: its queue fills and
+                # drops by the Message Queue policy instead (seed 000).
+                self.congested.discard(session)
         for session in list(self._wills):
             if session.will_at is not None and now >= session.will_at:
                 will = session.will

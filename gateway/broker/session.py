@@ -46,6 +46,7 @@ class Session:
         "conn",
         "expires_at",
         "expiry_interval",
+        "held_sends",
         "inflight",
         "limits",
         "mqueue",
@@ -65,6 +66,7 @@ class Session:
         self.mqueue = MessageQueue(limits.max_mqueue_len, limits.max_mqueue_bytes)
         self.awaiting_rel: dict[int, tuple[Message, float]] = {}
         self.next_packet_id = 1
+        self.held_sends = 0  # PUBLISHes waiting for a commit before they go out (QoS 2, and FIFO behind it)
         self.conn: Connection | None = None
         self.expires_at: float | None = None
         self.will: Will | None = None
@@ -120,6 +122,7 @@ class Connection:
         "connected_at",
         "inbound_pending",
         "keep_alive",
+        "last_ack_at",
         "last_rx",
         "limits",
         "listener",
@@ -154,6 +157,7 @@ class Connection:
         self.opened_at = now
         self.connected_at = now
         self.last_rx = now
+        self.last_ack_at = now
         self.window = limits.window(None)
         self.max_packet_size: int | None = None
         self.topic_alias_max = 0

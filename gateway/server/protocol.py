@@ -29,6 +29,7 @@ class BrokerIO:
         self._flush_scheduled = False
         self._ticker: asyncio.Task[None] | None = None
         self.open_connections: set[MQTTProtocol] = set()
+        self.throttled: set[MQTTProtocol] = set()  # publishers paused while a consumer is congested
         self.last_tick = time.monotonic()
 
     def schedule_flush(self) -> None:
@@ -56,6 +57,19 @@ class BrokerIO:
                 out.clear()
             if conn.close_after_flush:
                 transport.close()
+        if self.throttled:
+            self.release_throttled()
+
+    def release_throttled(self) -> None:
+        """Resume reading from paused publishers once no consumer is congested, and at once from any paused
+        connection that is itself a congested consumer (its acknowledgements must get through)."""
+        congested = self.broker.congested
+        for proto in list(self.throttled):
+            conn = proto.conn
+            if not congested or conn is None or conn.session in congested:
+                self.throttled.discard(proto)
+                if conn is not None and conn.transport is not None:
+                    conn.transport.resume_reading()
 
     def start_ticker(self, interval: float = 1.0) -> None:
         """Start the one task that runs all broker deadlines (Keep Alive, expiry, retries, $SYS)."""
@@ -70,6 +84,8 @@ class BrokerIO:
             except Exception:  # a bug in one deadline must not stop the others
                 log.exception("broker tick failed")
             self.flush()
+            if self.throttled:
+                self.release_throttled()
 
     async def stop_ticker(self) -> None:
         """Cancel the ticker and wait for it."""
@@ -113,13 +129,22 @@ class MQTTProtocol(asyncio.Protocol):
         conn = self.conn
         if conn is None:
             return
+        io = self.io
+        published = io.broker.stats.publish_received
         try:
-            self.io.broker.receive(conn, data, time.time())
+            io.broker.receive(conn, data, time.time())
         except Exception:
             # A bug must cost one connection, never the broker.
             log.exception("internal error while handling %s; closing that connection", conn)
             conn.transport.close()
-        self.io.schedule_flush()
+        congested = io.broker.congested
+        if congested and io.broker.stats.publish_received != published and conn.session not in congested \
+                and conn.transport is not None \
+                and not conn.transport.is_closing():
+            # Flow control: stop reading this publisher until the congested consumers catch up.
+            conn.transport.pause_reading()
+            io.throttled.add(self)
+        io.schedule_flush()
 
     def pause_writing(self) -> None:
         if self.conn is not None:
@@ -132,6 +157,7 @@ class MQTTProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.io.open_connections.discard(self)
+        self.io.throttled.discard(self)
         conn = self.conn
         if conn is None:
             return
