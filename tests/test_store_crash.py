@@ -129,8 +129,6 @@ def _poll(client: RawClient, handle: object, limit: int = 1000) -> None:
 CONFIG = """
 [broker]
 sys_interval = 0
-[store]
-commit_interval = "2ms"
 [listeners.external]
 bind = "127.0.0.1:0"
 max_inflight = 4

@@ -60,8 +60,8 @@ class StoreSettings:
     Attributes:
         path: directory of the LMDB environment.
         max_size: largest the data may grow, bytes.
-        commit_interval: seconds a batch may wait for more work before it is handed to the writer (0 = end of
-            the loop turn).
+        commit_interval: extra seconds a batch waits for more work before it is handed to the writer (default 0:
+            the end of the loop turn; whatever arrives while the writer is busy joins the next commit anyway).
         on_corrupt: ``"quarantine"`` (move aside, start empty) or ``"refuse"`` (raise :class:`StoreError`).
         group_commit: False commits every acknowledged unit of work alone (one fsync per message): only for
             measuring what group commit buys (``bench/durable.py``).
@@ -69,7 +69,7 @@ class StoreSettings:
 
     path: str = "var"
     max_size: int = 1024 * 1024 * 1024
-    commit_interval: float = 0.002
+    commit_interval: float = 0.0
     on_corrupt: str = "quarantine"
     group_commit: bool = True
 
@@ -98,6 +98,8 @@ class LmdbStore:
         self._queue: queue.Queue[Any] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._refs: dict[int, int] = {}
+        self._undo: list[tuple[int, int]] = []
+        self._used_checked_at = 0.0
         self._seq = 1
         self._next_mid_hint = 1
         self._lock_fd: int | None = None
@@ -314,12 +316,14 @@ class LmdbStore:
     def _ref(self, txn: Any, message: Message) -> None:
         mid = message.mid
         count = self._refs.get(mid, 0)
+        self._undo.append((mid, count))
         if not count:
             txn.put(rec.u64(mid), rec.encode_message(message), db=self.dbs[1])
         self._refs[mid] = count + 1
 
     def _unref(self, txn: Any, mid: int) -> None:
         count = self._refs.get(mid, 0) - 1
+        self._undo.append((mid, count + 1))
         if count <= 0:
             self._refs.pop(mid, None)
             txn.delete(rec.u64(mid), db=self.dbs[1])
@@ -399,14 +403,14 @@ class LmdbStore:
     def _commit(self, ops: list[tuple[Any, ...]]) -> bool:
         """Apply ``ops`` in one transaction (growing the map as needed); False when they could not be written."""
         assert self.env is not None
-        refs_before = dict(self._refs)
         while True:
+            self._undo = []  # reference counts before this attempt, to roll back with the transaction
             try:
                 with self.env.begin(write=True) as txn:
                     self._apply(txn, ops)
                 break
             except lmdb.MapFullError:
-                self._refs = dict(refs_before)
+                self._rollback_refs()
                 if self.map_size >= self.settings.max_size:
                     self.write_errors += 1
                     log.critical("store full at max_size=%d bytes: a batch of %d changes could not be written; "
@@ -418,15 +422,27 @@ class LmdbStore:
                 self.map_size = new_size
                 log.info("store: map grown to %d bytes", new_size)
             except lmdb.Error as exc:
-                self._refs = dict(refs_before)
+                self._rollback_refs()
                 self.write_errors += 1
                 log.critical("store write failed (%s): %d changes not written; their acknowledgements are withheld",
                              exc, len(ops))
                 self.last_write_failed = True
                 return False
         self.last_write_failed = False
-        self._update_used()
+        now = time.monotonic()
+        if now - self._used_checked_at >= 0.2 or self.used_bytes + _MIN_HEADROOM >= self.settings.max_size * 0.9:
+            self._used_checked_at = now
+            self._update_used()
         return True
+
+    def _rollback_refs(self) -> None:
+        refs = self._refs
+        for mid, count in reversed(self._undo):
+            if count:
+                refs[mid] = count
+            else:
+                refs.pop(mid, None)
+        self._undo = []
 
     def _update_used(self) -> None:
         assert self.env is not None
