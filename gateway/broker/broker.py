@@ -59,6 +59,9 @@ RC = ReasonCode
 CONGESTION_MIN = 256
 STALLED_AFTER = 1.0
 
+#: "No Subscription Identifiers": one shared list, never mutated.
+NO_IDS: list[int] = []
+
 # Properties a PUBLISH carries from the publisher to subscribers (MQTT 5.0 §3.3.2.3).
 _STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 
@@ -118,6 +121,7 @@ class Broker:
         self._next_sys = now
         self._next_sweep = now
         self._enc_mid = 0
+        self._topics: dict[str, str] = {}  # one str per topic name shared by queued messages (memory)
         self._enc_cache: dict[tuple[int, int, bool], tuple[bytes, bytes]] = {}
         self._handlers: dict[int, Callable[[Connection, Any, float], None]] = {
             3: self._on_publish,
@@ -508,7 +512,12 @@ class Broker:
             expiry = props.get(P.MESSAGE_EXPIRY_INTERVAL)
             if expiry is not None:
                 expires_at = now + expiry
-        message = Message(self._mid(), topic, p.payload, qos, p.retain, props, now, expires_at, conn.client_id)
+        interned = self._topics.get(topic)
+        if interned is None:
+            if len(self._topics) >= 10_000:
+                self._topics.clear()
+            interned = self._topics[topic] = topic
+        message = Message(self._mid(), interned, p.payload, qos, p.retain, props, now, expires_at, conn.client_id)
         if qos == 0:
             self._publish(message, now)
         elif qos == 1:
@@ -579,7 +588,7 @@ class Broker:
             session = self.sessions[rec.client_id]
             self._deliver(session, message, min(message.qos, rec.qos),
                           message.retain and rec.retain_as_published,
-                          [rec.sub_id] if rec.sub_id is not None else [], now)
+                          [rec.sub_id] if rec.sub_id is not None else NO_IDS, now)
             return 1
         # Overlapping subscriptions of one client: one copy at the highest QoS, carrying every matching
         # Subscription Identifier [MQTT-3.3.4-2] [MQTT-3.3.4-3].
@@ -606,7 +615,7 @@ class Broker:
             if rec is None:
                 continue
             self._deliver(self.sessions[rec.client_id], message, min(message.qos, rec.qos), False,
-                          [rec.sub_id] if rec.sub_id is not None else [], now)
+                          [rec.sub_id] if rec.sub_id is not None else NO_IDS, now)
             count += 1
         return count
 

@@ -64,7 +64,7 @@ class Delivery:
     message: Message
     qos: int
     retain: bool = False
-    sub_ids: list[int] = field(default_factory=list)
+    sub_ids: list[int] = field(default_factory=list)  # the broker passes a shared empty list when none
     packet_id: int = 0
     state: int = AWAIT_ACK
     sent_at: float = 0.0

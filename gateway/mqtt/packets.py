@@ -19,7 +19,7 @@ from gateway.mqtt.primitives import (
     encode_string,
     encode_vbi,
 )
-from gateway.mqtt.properties import WILL, Properties, decode_properties, encode_properties
+from gateway.mqtt.properties import NO_PROPERTIES, WILL, Properties, decode_properties, encode_properties
 from gateway.mqtt.reason_codes import ReasonCode
 
 CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
@@ -472,7 +472,7 @@ def _decode_publish(flags: int, body: bytes, version: int) -> Publish:
         packet_id, pos = decode_u16(body, pos)
         if not packet_id:
             raise MalformedPacket("PUBLISH with Packet Identifier 0 [MQTT-2.2.1-3]")
-    props: Properties = {}
+    props = NO_PROPERTIES
     if version == MQTT_5:
         props, pos = decode_properties(body, pos, PUBLISH)
     elif not topic:

@@ -29,6 +29,9 @@ from gateway.mqtt.primitives import (
 
 Properties = dict[int, Any]
 
+#: The properties of a packet that has none: one shared object, to be read and never mutated (copy first).
+NO_PROPERTIES: Properties = {}
+
 
 class PropertyId(IntEnum):
     """Property identifiers (MQTT 5.0 §2.2.2.2, Table 2-4)."""
@@ -197,9 +200,9 @@ def decode_properties(buf: bytes | memoryview, pos: int, packet_type: int) -> tu
     end = pos + length
     if end > len(buf):
         raise MalformedPacket("Property Length runs past the end of the packet")
-    props: Properties = {}
     if not length:
-        return props, pos
+        return NO_PROPERTIES, pos
+    props: Properties = {}
     allowed = ALLOWED[packet_type]
     view = buf[:end]
     while pos < end:

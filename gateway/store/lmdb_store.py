@@ -99,7 +99,6 @@ class LmdbStore:
         self._writer: threading.Thread | None = None
         self._refs: dict[int, int] = {}
         self._undo: list[tuple[int, int]] = []
-        self._used_checked_at = 0.0
         self._seq = 1
         self._next_mid_hint = 1
         self._lock_fd: int | None = None
@@ -429,10 +428,7 @@ class LmdbStore:
                 self.last_write_failed = True
                 return False
         self.last_write_failed = False
-        now = time.monotonic()
-        if now - self._used_checked_at >= 0.2 or self.used_bytes + _MIN_HEADROOM >= self.settings.max_size * 0.9:
-            self._used_checked_at = now
-            self._update_used()
+        self._update_used()  # ~10 us a commit; keeps has_room exact
         return True
 
     def _rollback_refs(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import struct
 
+from gateway.broker.broker import NO_IDS
 from gateway.broker.message import Delivery, Message
 from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import Session
@@ -104,7 +105,7 @@ def encode_delivery(d: Delivery) -> bytes:
 def decode_delivery(data: bytes) -> tuple[int, Delivery]:
     """``(mid, delivery)``; the delivery's ``message`` is a placeholder until the caller links it."""
     mid, qos, retain, packet_id, state, expires_at, n = _DEL.unpack_from(data, 0)
-    sub_ids = list(struct.unpack_from(f"!{n}I", data, _DEL.size)) if n else []
+    sub_ids = list(struct.unpack_from(f"!{n}I", data, _DEL.size)) if n else NO_IDS
     placeholder = Message(mid, "", b"", 0, False, {}, 0.0)
     return mid, Delivery(placeholder, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at))
 
