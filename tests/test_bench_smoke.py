@@ -28,9 +28,22 @@ SUBSCRIBE_CHECKS = ("subscribe_qos0", "subscribe_qos1", "subscribe_fanout")
 def _self_check(*args: str) -> dict[str, Any]:
     """Run ``loadgen.py --self-check`` in a subprocess (it forks its workers) and return its JSON report."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "loadgen.py"), "--self-check", "--json", "--no-pin", "--seconds", "0.3",
-         "--connections", "200", *args],
-        capture_output=True, text=True, timeout=90, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "loadgen.py"),
+            "--self-check",
+            "--json",
+            "--no-pin",
+            "--seconds",
+            "0.3",
+            "--connections",
+            "200",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

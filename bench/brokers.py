@@ -1,0 +1,261 @@
+"""Start, measure and stop the three brokers the benchmarks compare, each on 127.0.0.1 and a port the harness
+chose (or, for edge-gateway, port 0 read back from its log), pinned to core 0 with ``taskset -c 0`` and given a
+large RLIMIT_NOFILE with ``prlimit``.
+
+- ``mosquitto``: the Debian package, generated config (``listener PORT 127.0.0.1``, ``allow_anonymous true``,
+  ``max_inflight_messages 32``, ``max_queued_messages 1000000``, ``max_queued_bytes 0``; ``persistence`` per
+  scenario with autosave_interval left at its default; ``set_tcp_nodelay`` left at its default, false).
+- ``edge-gateway``: ``python -m gateway serve --config X`` from this checkout, LMDB store in the run's temp dir,
+  ``max_inflight = 32``, ``max_mqueue_len = 1000000``, ``message_expiry_interval = 0``; its event loop is the
+  default ("auto": uvloop when installed).
+- ``amqtt``: bench/amqtt_broker.py in bench/.venv-amqtt.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadgen import BROKER_CPU, HOST, Target, TargetError, check_target
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+AMQTT_PY = BENCH / ".venv-amqtt" / "bin" / "python"
+KINDS = ("mosquitto", "edge-gateway", "amqtt")
+MAX_INFLIGHT = 32
+# Large enough that no scenario's backlog reaches it. (With 200000, Mosquitto 2.0.11 logged "Outgoing messages are
+# being dropped" in the QoS 1 scenario with far fewer messages queued, and dropped thousands.)
+MAX_QUEUED = 1_000_000
+_EGW_LISTEN = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(listener")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BrokerError(RuntimeError):
+    """The broker did not start, or died."""
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the broker binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def pinned(cmd: list[str], nofile: int) -> list[str]:
+    """``cmd`` under prlimit (RLIMIT_NOFILE) and taskset (core 0) when the machine has a second core."""
+    prefix: list[str] = []
+    if shutil.which("prlimit"):
+        prefix += ["prlimit", f"--nofile={nofile}:{nofile}"]
+    if shutil.which("taskset") and (os.cpu_count() or 1) >= 2:
+        prefix += ["taskset", "-c", str(BROKER_CPU)]
+    return prefix + cmd
+
+
+def versions() -> dict[str, str]:
+    """Version strings of the three brokers."""
+    out: dict[str, str] = {}
+    try:
+        text = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True, timeout=10).stdout
+        m = re.search(r"mosquitto version (\S+)", text)
+        out["mosquitto"] = m.group(1) if m else "?"
+    except (OSError, subprocess.SubprocessError):
+        out["mosquitto"] = "not installed"
+    sys.path.insert(0, str(ROOT))
+    from gateway import __version__
+
+    loop = "asyncio"
+    try:
+        import uvloop  # the broker's event_loop "auto" picks it when installed
+
+        loop = f"uvloop {uvloop.__version__}"
+    except ImportError:
+        pass
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    out["edge-gateway"] = f"{__version__} (git {rev or '?'}, {loop})"
+    try:
+        text = subprocess.run([str(AMQTT_PY), "-c", "import amqtt; print(amqtt.__version__)"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        out["amqtt"] = text or "?"
+    except (OSError, subprocess.SubprocessError):
+        out["amqtt"] = "not installed"
+    out["python"] = sys.version.split()[0]
+    return out
+
+
+class Broker:
+    """One broker process in its own work directory (store / persistence files, config, log)."""
+
+    def __init__(self, kind: str, workdir: Path, persistence: bool = False, nofile: int = 20000) -> None:
+        if kind not in KINDS:
+            raise ValueError(kind)
+        self.kind = kind
+        self.workdir = workdir
+        self.persistence = persistence
+        self.nofile = nofile
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.target: Target | None = None
+        self.log_path = workdir / f"{kind}.log"
+        self.starts = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def _command(self, port: int) -> list[str]:
+        if self.kind == "mosquitto":
+            conf = self.workdir / "mosquitto.conf"
+            conf.write_text(
+                f"listener {port} {HOST}\n"
+                "allow_anonymous true\n"
+                f"persistence {'true' if self.persistence else 'false'}\n"
+                f"persistence_location {self.workdir}/\n"
+                f"max_inflight_messages {MAX_INFLIGHT}\n"
+                f"max_queued_messages {MAX_QUEUED}\n"
+                "max_queued_bytes 0\n"
+                "log_dest stderr\n"
+                "log_type error\n"
+                "log_type warning\n"
+                "log_type notice\n"  # for "Outgoing messages are being dropped for client ..."
+                "connection_messages false\n"
+            )
+            return ["mosquitto", "-c", str(conf)]
+        if self.kind == "edge-gateway":
+            conf = self.workdir / "gateway.toml"
+            conf.write_text(
+                "[broker]\n"
+                "sys_interval = 0\n"
+                'log_level = "warning"\n'
+                "[store]\n"
+                f'path = "{self.workdir / "store"}"\n'
+                "[listeners.external]\n"
+                'bind = "127.0.0.1:0"\n'
+                f"max_inflight = {MAX_INFLIGHT}\n"
+                f"max_mqueue_len = {MAX_QUEUED}\n"
+                "message_expiry_interval = 0\n"
+            )
+            # info only for the lines the harness reads (bound port, ready, store commits); nothing per message
+            return [sys.executable, "-m", "gateway", "serve", "--config", str(conf), "--log-level", "info"]
+        if not AMQTT_PY.exists():
+            raise BrokerError(f"amqtt venv missing ({AMQTT_PY}); run `make bench`")
+        return [str(AMQTT_PY), str(BENCH / "amqtt_broker.py"), str(port)]
+
+    def start(self, timeout: float = 30.0) -> Target:
+        """Start (or restart, keeping the work directory) and wait until it listens."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.kind == "mosquitto" and os.geteuid() == 0:
+            try:
+                shutil.chown(self.workdir, "mosquitto")  # mosquitto drops root for this user
+            except (LookupError, OSError):
+                pass
+        port = 0 if self.kind == "edge-gateway" else free_port()
+        cmd = pinned(self._command(port), self.nofile)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.kind == "edge-gateway":
+            env["PYTHONPATH"] = str(ROOT)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start {self.starts}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            offset = log.tell()
+            self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env=env)
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BrokerError(f"{self.kind} exited with {self.proc.returncode} at start:\n{self.log_tail()}")
+            if self.kind == "edge-gateway":
+                text = self.log_path.read_bytes()[offset:].decode(errors="replace")
+                m = _EGW_LISTEN.search(text)
+                if m and "edge-gateway ready" in text[m.end() :]:
+                    port = int(m.group(1))
+                else:
+                    time.sleep(0.05)
+                    continue
+            target = Target(port, self.proc.pid, os.getpid(), self.kind)
+            try:
+                check_target(target)
+            except TargetError:
+                time.sleep(0.05)
+                continue
+            self.target = target
+            return target
+        self.kill()
+        raise BrokerError(f"{self.kind} did not listen within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after ``timeout``); returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash) and wait."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- measurements ----------------------------------------------------------------------------------------
+
+    def rss_kib(self) -> int:
+        """VmRSS from /proc/PID/status, KiB."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        raise BrokerError("no VmRSS")
+
+    def cpu_seconds(self) -> float:
+        """utime + stime from /proc/PID/stat (all threads), seconds."""
+        assert self.proc is not None
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            data = f.read()
+        fields = data[data.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def warnings(self, limit: int = 8) -> list[str]:
+        """Warning and error lines of the broker's log (at most ``limit``, with a count of the rest)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        hits = [ln for ln in lines
+                if re.search(r"WARNING|ERROR|CRITICAL|Traceback|[Ww]arning:|[Ee]rror:|being dropped", ln)]
+        if len(hits) > limit:
+            hits = [*hits[:limit], f"... and {len(hits) - limit} more"]
+        return hits
+
+    def store_commits(self) -> int | None:
+        """edge-gateway only: the commit count it logs when it stops."""
+        m = re.findall(r"store closed: (\d+) commits", self.log_path.read_text(errors="replace"))
+        return int(m[-1]) if m else None
