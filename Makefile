@@ -1,18 +1,21 @@
-# edge-gateway: `make demo` sets everything up and runs the broker on its embedded default;
+# edge-gateway: `make demo` sets everything up and runs the broker on its embedded default, fed by a simulated
+# sensor board through firmware-bridge;
 # `make test` sets everything up and runs the tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients
+APT_PACKAGES := mosquitto mosquitto-clients systemd
 
-.PHONY: demo test lint venv deps clean
+.PHONY: demo test lint venv deps clean bench image image-test image-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[test,fast]'
+	$(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
+	$(BIN)/pip install -q --no-deps 'bokeh-sampledata==2026.1'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -25,8 +28,9 @@ deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
 
+# broker + a simulated sensor board on a pty + firmware-bridge, printing the readings as they arrive; Ctrl-C stops all
 demo: venv
-	$(BIN)/edge-gateway serve
+	$(BIN)/python firmware-bridge/demo.py
 
 lint: venv
 	$(BIN)/ruff check .
@@ -35,6 +39,37 @@ lint: venv
 test: venv deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# Benchmarks side by side with Mosquitto (bench/run.py; about 6 min on 2 cores). amqtt, the Python reference, lives in its
+# own venv; if it cannot be installed its cells say n/a. `make bench BENCH_ARGS=--quick` for one short run.
+AMQTT_VENV := bench/.venv-amqtt
+AMQTT_VERSION := 0.12.1
+
+$(AMQTT_VENV)/.installed:
+	$(PYTHON) -m venv $(AMQTT_VENV)
+	$(AMQTT_VENV)/bin/pip install -q --upgrade pip
+	$(AMQTT_VENV)/bin/pip install -q 'amqtt==$(AMQTT_VERSION)' && touch $@ || echo "amqtt not installed: its cells will say n/a"
+
+bench: venv deps $(AMQTT_VENV)/.installed
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+# The gateway image (README "The appliance"): a Debian bookworm root filesystem from the host's apt mirror,
+# provisioned with ansible/site.yml through the chroot connection, written as build/appliance/edge-gateway.ext4 with
+# its kernel and initrd. Needs root. `make image-test` boots it under qemu (TCG) and checks the services inside.
+IMAGE_APT_PACKAGES := mmdebstrap qemu-system-x86 e2fsprogs
+
+image-deps:
+	@missing=""; for p in $(IMAGE_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+image: venv image-deps
+	image/build.sh
+
+image-test: image
+	image/boot-test.sh
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

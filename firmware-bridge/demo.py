@@ -1,0 +1,156 @@
+"""`make demo`: the broker, a simulated sensor board and firmware-bridge, and the readings as they arrive.
+
+Runs, all on 127.0.0.1:
+  edge-gateway serve                                   the broker on its embedded default (127.0.0.1:1883, ./var)
+  firmware-bridge simulate --link var/demo/ttyBUOY0    a buoy replaying NERACOOS B01 sea-surface temperatures
+  firmware-bridge run --config firmware-bridge/demo.toml
+and prints what a subscriber to sensors/gw-demo/# and bridge/gw-demo/events receives. Ctrl-C stops everything
+(the bridge first, so what it holds reaches the broker, then the board, then the broker).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+LINK = "var/demo/ttyBUOY0"
+SHOW = (" WARNING ", " ERROR ", "ready", "listening on", " open (", "lost", "rebooted", "unreachable", "connected to")
+
+
+def _spawn(name: str, args: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )  # Ctrl-C reaches this script only; it stops them in order
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if any(s in line for s in SHOW):
+                _say(f"  [{name}] {line.rstrip()}")
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc
+
+
+def _wait_port(port: int, timeout: float) -> bool:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def _on_message(client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+    try:
+        data = json.loads(msg.payload)
+    except ValueError:
+        _say(f"{msg.topic}  {msg.payload!r}")
+        return
+    if "values" in data:
+        values = "  ".join(f"{k} {v['value']} {v['unit']}" for k, v in data["values"].items())
+        _say(f"{msg.topic}  boot {data['boot']} seq {data['seq']:<4} {data['sensor_time']}  {values}")
+    else:
+        detail = {k: v for k, v in data.items() if k not in ("v", "gateway_id", "gateway_time")}
+        _say(f"{msg.topic}  {json.dumps(detail)}")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    (ROOT / "var" / "demo").mkdir(parents=True, exist_ok=True)
+    procs: list[tuple[str, subprocess.Popen[str]]] = []
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    signal.signal(signal.SIGTERM, _interrupt)
+    sub: mqtt.Client | None = None
+    try:
+        print("starting the broker (127.0.0.1:1883, store in ./var) ...", flush=True)
+        procs.append(("broker", _spawn("broker", [str(BIN / "edge-gateway"), "serve"])))
+        if not _wait_port(1883, 15):
+            print("the broker did not start (is 127.0.0.1:1883 already in use?)", file=sys.stderr)
+            return 1
+        print(f"starting the simulated buoy on a pseudo-terminal ({LINK}) ...", flush=True)
+        procs.append(
+            (
+                "board",
+                _spawn(
+                    "board",
+                    [
+                        str(BIN / "firmware-bridge"),
+                        "simulate",
+                        "--link",
+                        LINK,
+                        "--rate",
+                        "2",
+                        "--garbage",
+                        "0.05",
+                        "--bad-crc",
+                        "0.03",
+                        "--reboot-every",
+                        "45",
+                    ],
+                ),
+            )
+        )
+        deadline = time.monotonic() + 15
+        while not (ROOT / LINK).is_symlink() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        sub.on_message = _on_message
+        sub.connect("127.0.0.1", 1883)
+        sub.subscribe([("sensors/gw-demo/#", 1), ("bridge/gw-demo/events", 1)])
+        sub.loop_start()
+        print("starting firmware-bridge (firmware-bridge/demo.toml) ...  Ctrl-C stops everything\n", flush=True)
+        procs.append(
+            ("bridge", _spawn("bridge", [str(BIN / "firmware-bridge"), "run", "--config", "firmware-bridge/demo.toml"]))
+        )
+        while all(p.poll() is None for _, p in procs):
+            time.sleep(0.2)
+        for name, p in procs:
+            if p.poll() is not None:
+                print(f"{name} exited with code {p.returncode}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        for _, proc in reversed(procs):  # bridge, board, broker: stop them before anything can go wrong printing
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for name, proc in reversed(procs):
+            _say(f"  {name} stopped (exit code {proc.returncode})")
+        if sub is not None:
+            sub.loop_stop()
+            sub.disconnect()
+
+
+def _say(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except OSError:  # stdout gone (a closed pipe): keep stopping the children
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""The bridge's TOML configuration (``/etc/firmware-bridge/bridge.toml``): parse, validate, name every mistake.
+
+::
+
+    [bridge]
+    gateway_id = "gw-0001"            # topics: sensors/<gateway_id>/<device>, cmd/<gateway_id>/<device>/...
+    log_level = "info"
+    stats_interval = "10s"            # bridge/<gateway_id>/stats (retained); 0 = off
+    stats_file = ""                   # also write the stats as JSON to this file ("" = no file)
+    command_timeout = "5s"            # a command without a reply from the board gets error "timeout"
+
+    [mqtt]
+    broker = "127.0.0.1:1884"         # the gateway's internal listener ("host:port" or a Unix socket path)
+    client_id = ""                    # default: firmware-bridge-<gateway_id>
+    keepalive = 30
+    session_expiry = "1d"             # persistent session (MQTT 5 Session Expiry Interval)
+    buffer = 10000                    # readings held while the broker is unreachable (QoS 0 dropped first)
+    window = 32                       # QoS 1 publishes in flight at once
+    reconnect_min = "0.2s"            # reconnect backoff (doubles, with jitter, up to reconnect_max)
+    reconnect_max = "10s"
+
+    [[ports]]
+    path = "/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"
+    baudrate = 115200
+    bytesize = 8                      # 5..8
+    parity = "none"                   # none, even, odd, mark, space
+    stopbits = 1                      # 1, 1.5, 2
+    rtscts = false
+    protocol = "line-json"            # or "nmea"
+    device = "buoy-b01"               # line-json: accept only this device id (optional); nmea: required
+    qos = 1                           # QoS of this port's readings
+    max_line = 512                    # longest accepted line (bytes, trailer included)
+    reopen_max = "5s"                 # unplugged/failed port: retry opening with backoff up to this
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from firmware_bridge.frames import DEFAULT_MAX_LINE, DEVICE_RE, NMEA_MAX_LINE
+
+DEFAULT_CONFIG = "/etc/firmware-bridge/bridge.toml"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+PROTOCOLS = ("line-json", "nmea")
+PARITIES = {"none": "N", "even": "E", "odd": "O", "mark": "M", "space": "S"}
+GATEWAY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class ConfigError(Exception):
+    """Every configuration mistake, one line each."""
+
+    def __init__(self, errors: list[str], source: str = "config") -> None:
+        self.errors = errors
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(errors))
+
+
+@dataclass(slots=True)
+class PortConfig:
+    path: str
+    baudrate: int = 115200
+    bytesize: int = 8
+    parity: str = "N"
+    stopbits: float = 1
+    rtscts: bool = False
+    protocol: str = "line-json"
+    device: str | None = None
+    qos: int = 1
+    max_line: int = DEFAULT_MAX_LINE
+    reopen_max: float = 5.0
+
+
+@dataclass(slots=True)
+class MqttConfig:
+    broker: str = "127.0.0.1:1884"
+    client_id: str = ""
+    keepalive: int = 30
+    session_expiry: float = 86400.0
+    buffer: int = 10000
+    window: int = 32
+    reconnect_min: float = 0.2
+    reconnect_max: float = 10.0
+
+    @property
+    def is_unix(self) -> bool:
+        return self.broker.startswith("/") or self.broker.startswith("./")
+
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.broker.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return host, int(port)
+
+
+@dataclass(slots=True)
+class BridgeConfig:
+    gateway_id: str = "gw-0001"
+    log_level: str = "info"
+    stats_interval: float = 10.0
+    stats_file: str = ""
+    command_timeout: float = 5.0
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
+    ports: list[PortConfig] = field(default_factory=list)
+    source: str = "<defaults>"
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or ``"250ms"``, ``"30s"``, ``"5m"``, ``"2h"``, ``"7d"``."""
+    if isinstance(value, bool):
+        raise ValueError("not a duration")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("negative")
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2)]
+    raise ValueError("not a duration")
+
+
+class _Checker:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def table(self, where: str, value: Any, allowed: set[str]) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.errors.append(f"{where} must be a table")
+            return {}
+        for key in value:
+            if key not in allowed:
+                self.errors.append(f"{where}.{key}: unknown key (allowed: {', '.join(sorted(allowed))})")
+        return value
+
+    def int_(self, where: str, value: Any, low: int, high: int) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            self.errors.append(f"{where} = {value!r}: must be an integer {low}..{high}")
+            return None
+        return value
+
+    def duration(self, where: str, value: Any, low: float, high: float) -> float | None:
+        try:
+            seconds = parse_duration(value)
+            if not low <= seconds <= high:
+                raise ValueError
+        except ValueError:
+            self.errors.append(f'{where} = {value!r}: must be a duration {low:g}..{high:g} s such as "5s"')
+            return None
+        return seconds
+
+    def str_(
+        self,
+        where: str,
+        value: Any,
+        pattern: re.Pattern[str] | None = None,
+        allowed: Any = None,
+        empty_ok: bool = False,
+    ) -> str | None:
+        ok = isinstance(value, str) and (bool(value) or empty_ok)
+        if ok and pattern is not None and value:
+            ok = bool(pattern.match(value))
+        if ok and allowed is not None:
+            ok = value in allowed
+        if not ok:
+            hint = (
+                f"one of {', '.join(allowed)}"
+                if allowed is not None
+                else (f"a string matching {pattern.pattern}" if pattern is not None else "a non-empty string")
+            )
+            self.errors.append(f"{where} = {value!r}: must be {hint}")
+            return None
+        return value
+
+    def bool_(self, where: str, value: Any) -> bool | None:
+        if not isinstance(value, bool):
+            self.errors.append(f"{where} = {value!r}: must be true or false")
+            return None
+        return value
+
+
+_BRIDGE_KEYS = {"gateway_id", "log_level", "stats_interval", "stats_file", "command_timeout"}
+_MQTT_KEYS = {
+    "broker",
+    "client_id",
+    "keepalive",
+    "session_expiry",
+    "buffer",
+    "window",
+    "reconnect_min",
+    "reconnect_max",
+}
+_PORT_KEYS = {
+    "path",
+    "baudrate",
+    "bytesize",
+    "parity",
+    "stopbits",
+    "rtscts",
+    "protocol",
+    "device",
+    "qos",
+    "max_line",
+    "reopen_max",
+}
+
+
+def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
+    """Validate a parsed TOML document.
+
+    Raises:
+        ConfigError: naming every unknown key and bad value.
+    """
+    c = _Checker()
+    cfg = BridgeConfig(source=source)
+    for key in data:
+        if key not in ("bridge", "mqtt", "ports"):
+            c.errors.append(f"{key}: unknown table (allowed: bridge, mqtt, ports)")
+    bridge = c.table("bridge", data.get("bridge", {}), _BRIDGE_KEYS)
+    if "gateway_id" in bridge:
+        cfg.gateway_id = c.str_("bridge.gateway_id", bridge["gateway_id"], GATEWAY_ID_RE) or cfg.gateway_id
+    if "log_level" in bridge:
+        cfg.log_level = c.str_("bridge.log_level", bridge["log_level"], allowed=LOG_LEVELS) or cfg.log_level
+    if "stats_interval" in bridge:
+        v = c.duration("bridge.stats_interval", bridge["stats_interval"], 0, 86400)
+        cfg.stats_interval = cfg.stats_interval if v is None else v
+    if "stats_file" in bridge:
+        cfg.stats_file = c.str_("bridge.stats_file", bridge["stats_file"], empty_ok=True) or ""
+    if "command_timeout" in bridge:
+        v = c.duration("bridge.command_timeout", bridge["command_timeout"], 0.01, 3600)
+        cfg.command_timeout = cfg.command_timeout if v is None else v
+
+    mqtt = c.table("mqtt", data.get("mqtt", {}), _MQTT_KEYS)
+    m = cfg.mqtt
+    if "broker" in mqtt:
+        broker = c.str_("mqtt.broker", mqtt["broker"])
+        if broker is not None:
+            m.broker = broker
+            if not m.is_unix:
+                host, sep, port = broker.rpartition(":")
+                if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                    c.errors.append(f'mqtt.broker = {broker!r}: must be "host:port" or a Unix socket path')
+    if "client_id" in mqtt:
+        m.client_id = c.str_("mqtt.client_id", mqtt["client_id"], empty_ok=True) or ""
+    for key, low, high in (("keepalive", 0, 65535), ("buffer", 1, 10_000_000), ("window", 1, 1000)):
+        if key in mqtt:
+            v = c.int_(f"mqtt.{key}", mqtt[key], low, high)
+            if v is not None:
+                setattr(m, key, v)
+    for key, low, high in (
+        ("session_expiry", 0, 0xFFFFFFFF),
+        ("reconnect_min", 0.01, 3600),
+        ("reconnect_max", 0.01, 3600),
+    ):
+        if key in mqtt:
+            v = c.duration(f"mqtt.{key}", mqtt[key], low, high)
+            if v is not None:
+                setattr(m, key, v)
+    if m.reconnect_max < m.reconnect_min:
+        c.errors.append("mqtt.reconnect_max must be >= mqtt.reconnect_min")
+
+    ports = data.get("ports", [])
+    if not isinstance(ports, list):
+        c.errors.append("ports must be an array of tables ([[ports]])")
+        ports = []
+    seen: set[str] = set()
+    for i, raw in enumerate(ports):
+        where = f"ports[{i}]"
+        p = c.table(where, raw, _PORT_KEYS)
+        path = c.str_(f"{where}.path", p.get("path"))
+        if path is None:
+            continue
+        if path in seen:
+            c.errors.append(f"{where}.path = {path!r}: listed twice")
+        seen.add(path)
+        port = PortConfig(path=path)
+        if "protocol" in p:
+            port.protocol = c.str_(f"{where}.protocol", p["protocol"], allowed=PROTOCOLS) or port.protocol
+        port.max_line = NMEA_MAX_LINE if port.protocol == "nmea" else DEFAULT_MAX_LINE
+        if "baudrate" in p:
+            port.baudrate = c.int_(f"{where}.baudrate", p["baudrate"], 50, 4_000_000) or port.baudrate
+        if "bytesize" in p:
+            port.bytesize = c.int_(f"{where}.bytesize", p["bytesize"], 5, 8) or port.bytesize
+        if "parity" in p:
+            parity = c.str_(f"{where}.parity", p["parity"], allowed=tuple(PARITIES))
+            port.parity = PARITIES[parity] if parity else port.parity
+        if "stopbits" in p:
+            if p["stopbits"] in (1, 1.5, 2) and not isinstance(p["stopbits"], bool):
+                port.stopbits = p["stopbits"]
+            else:
+                c.errors.append(f"{where}.stopbits = {p['stopbits']!r}: must be 1, 1.5 or 2")
+        if "rtscts" in p:
+            port.rtscts = bool(c.bool_(f"{where}.rtscts", p["rtscts"]))
+        if "device" in p:
+            port.device = c.str_(f"{where}.device", p["device"], DEVICE_RE)
+        elif port.protocol == "nmea":
+            c.errors.append(f'{where}.device: required for protocol "nmea" (NMEA sentences name no device)')
+        if "qos" in p:
+            qos = c.int_(f"{where}.qos", p["qos"], 0, 2)
+            port.qos = port.qos if qos is None else qos
+        if "max_line" in p:
+            port.max_line = c.int_(f"{where}.max_line", p["max_line"], 16, 65536) or port.max_line
+        if "reopen_max" in p:
+            v = c.duration(f"{where}.reopen_max", p["reopen_max"], 0.01, 3600)
+            port.reopen_max = port.reopen_max if v is None else v
+        cfg.ports.append(port)
+    if c.errors:
+        raise ConfigError(c.errors, source)
+    if not m.client_id:
+        m.client_id = f"firmware-bridge-{cfg.gateway_id}"
+    m.window = min(m.window, m.buffer)
+    return cfg
+
+
+def read_config(path: str | Path) -> BridgeConfig:
+    """Read and validate a TOML file (ConfigError also for a missing file or bad TOML)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(path)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"invalid TOML: {exc}"], str(path)) from None
+    return load_config(data, str(path))
