@@ -1,0 +1,153 @@
+"""Fleet pipeline throughput: landed records per second through every batch job on the embedded ``local[*]``.
+
+Lands N records (default 10^6) as the lander would (JSON lines by arrival date and gateway, one file per gateway
+and hour): 50 gateways x 4 devices, one reading every 15 s for a day, one reboot per device, and the faults the
+pipeline exists for: ~2% duplicates (QoS 1 redelivery), ~0.5% lost readings, ~0.1% sensor clocks far off, ~0.1%
+malformed payloads, arrivals shuffled within each file. Then times ``fleet-pipeline run all`` for that day
+(clean, dedup, windows, completeness, latency; Parquet out) twice: the first run includes the JVM's warm-up, the
+second is an idempotent rebuild of the same partitions.
+
+    .venv/bin/python bench/pipeline.py [--records 1000000] [--workdir DIR] [--keep]
+
+Not a test: reads and writes only under its work directory (a temporary one by default) and stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DAY = dt.date(2024, 5, 1)
+GATEWAYS = 50
+DEVICES = 4
+PERIOD = 15.0  # seconds between readings of one device
+
+
+def _iso(t: float, ms: bool = True) -> str:
+    d = dt.datetime.fromtimestamp(t, dt.UTC)
+    return d.strftime("%Y-%m-%dT%H:%M:%S.") + (f"{d.microsecond // 1000:03d}Z" if ms else f"{d.microsecond:06d}Z")
+
+
+def generate(landing: Path, records: int, seed: int = 8) -> dict[str, int]:
+    """Write about ``records`` landing lines; returns what was put in (lines, readings, duplicates, ...)."""
+    rng = random.Random(seed)
+    day0 = dt.datetime(DAY.year, DAY.month, DAY.day, tzinfo=dt.UTC).timestamp()
+    devices = GATEWAYS * DEVICES
+    per_device = max(1, round(records / (0.995 * 1.02) / devices))  # 0.5% lost, 2% sent twice
+    counts = {"lines": 0, "readings": 0, "duplicates": 0, "lost": 0, "malformed": 0, "malformed_lines": 0,
+              "clamped": 0}
+    for g in range(GATEWAYS):
+        gw = f"gw-{g:04d}"
+        hours: dict[int, list[str]] = {}
+        for d in range(DEVICES):
+            dev = f"buoy-{g:04d}-{d}"
+            topic = f"fleet/{gw}/{dev}"
+            reboot_at = rng.randrange(per_device // 4, 3 * per_device // 4)
+            for i in range(per_device):
+                boot, seq = (7, i) if i < reboot_at else (8, i - reboot_at)
+                gt = day0 + 5 + i * PERIOD + rng.random()
+                if rng.random() < 0.005:
+                    counts["lost"] += 1
+                    continue
+                st = gt - 0.2 - rng.random() * 0.3
+                if rng.random() < 0.001:
+                    st = st - 86400 * 365  # a board whose clock reset
+                    counts["clamped"] += 1
+                sst = 12.0 + 3.0 * ((i % 5760) / 5760.0) + rng.gauss(0, 0.05)
+                payload = (
+                    f'{{"v":1,"gateway_id":"{gw}","device":"{dev}","boot":{boot},"seq":{seq},'
+                    f'"sensor_time":"{_iso(st)}","gateway_time":"{_iso(gt)}",'
+                    f'"values":{{"sea_surface_temperature":{{"value":{sst:.3f},"unit":"degC"}},'
+                    f'"battery_voltage":{{"value":{3.9 - i / per_device * 0.4:.3f},"unit":"V"}}}}}}'
+                )
+                if rng.random() < 0.001:
+                    payload = payload[: len(payload) // 2]  # truncated: malformed
+                    counts["malformed"] += 1
+                    counts["malformed_lines"] += 1
+                else:
+                    counts["readings"] += 1
+                copies = 2 if rng.random() < 0.02 else 1
+                counts["malformed_lines" if payload[-1] != "}" else "duplicates"] += copies - 1
+                for c in range(copies):
+                    arrival = gt + 0.5 + rng.random() + c * rng.uniform(1, 120)
+                    line = json.dumps({"topic": topic, "arrival": _iso(arrival, ms=False), "msg_id": f"{gw}:{i}",
+                                       "qos": 1, "retain": False, "payload": payload}, separators=(",", ":"))
+                    hours.setdefault(min(23, int((arrival - day0) // 3600)), []).append(line)
+                    counts["lines"] += 1
+        for hour, lines in hours.items():
+            rng.shuffle(lines)
+            part = landing / f"date={DAY.isoformat()}" / f"gateway={gw}"
+            part.mkdir(parents=True, exist_ok=True)
+            (part / f"part-{DAY:%Y%m%d}T{hour:02d}0000Z-bench-{g:04d}.jsonl").write_text("\n".join(lines) + "\n")
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--workdir")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    from pipeline import jobs
+    from pipeline.spark import get_spark
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-bench-"))
+    landing, tables = work / "landing", work / "tables"
+    shutil.rmtree(landing, ignore_errors=True)
+    shutil.rmtree(tables, ignore_errors=True)
+    try:
+        t0 = time.monotonic()
+        counts = generate(landing, args.records)
+        gen_s = time.monotonic() - t0
+        size = sum(p.stat().st_size for p in landing.rglob("*.jsonl"))
+        files = sum(1 for _ in landing.rglob("*.jsonl"))
+        print(f"landed {counts['lines']:,} lines ({size / 1e6:.0f} MB, {files} files) in {gen_s:.1f}s: {counts}")
+        t0 = time.monotonic()
+        spark = get_spark("fleet-pipeline bench")
+        start_s = time.monotonic() - t0
+        conf = spark.sparkContext.getConf()
+        print(f"spark {spark.version} {conf.get('spark.master')} ({os.cpu_count()} cores), shuffle partitions "
+              f"{spark.conf.get('spark.sql.shuffle.partitions')}, started in {start_s:.1f}s")
+        cfg = jobs.JobConfig(landing=str(landing), tables=str(tables), as_of=dt.datetime(2024, 5, 3, tzinfo=dt.UTC))
+        runs = []
+        for label in ("first run", "rebuild"):
+            stages: dict[str, float] = {}
+            stats: dict[str, int] = {}
+            t_all = time.monotonic()
+            for stage in jobs.STAGES:
+                t = time.monotonic()
+                stats.update(jobs.run(spark, cfg, stage, DAY, DAY))
+                stages[stage] = round(time.monotonic() - t, 2)
+            elapsed = time.monotonic() - t_all
+            rate = counts["lines"] / elapsed
+            runs.append({"run": label, "seconds": round(elapsed, 2), "records_per_s": round(rate), "stages": stages,
+                         "tables": stats})
+            print(f"{label}: {counts['lines']:,} records in {elapsed:.1f}s = {rate:,.0f} records/s  stages {stages}")
+        print(f"tables: {runs[-1]['tables']}")
+        assert runs[-1]["tables"]["duplicates"] == counts["duplicates"], "dedup count differs from what was put in"
+        assert runs[-1]["tables"]["quarantine"] == counts["malformed_lines"], "quarantine differs from what was put in"
+        spark.stop()
+        if args.json:
+            Path(args.json).write_text(json.dumps({"records": counts["lines"], "input": counts, "runs": runs},
+                                                  indent=2) + "\n")
+    finally:
+        if not args.keep and not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
