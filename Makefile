@@ -27,10 +27,13 @@ deps:
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
+	@command -v java >/dev/null 2>&1 || { echo "installing a Java runtime (Spark, for the pipeline tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless >/dev/null; }
 
 # broker + a simulated sensor board on a pty + firmware-bridge, printing the readings as they arrive; Ctrl-C stops all
+# demo/cloud.py adds a stand-in cloud broker on 127.0.0.1:1884 and the gateway's upstream link to it ([cloud], [link])
 demo: venv
-	$(BIN)/python firmware-bridge/demo.py
+	$(BIN)/python demo/cloud.py -- $(BIN)/python firmware-bridge/demo.py
 
 lint: venv
 	$(BIN)/ruff check .

@@ -110,6 +110,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     for lc in config.listeners:
         print(f"listener {lc.name}: bind {lc.bind}, max_inflight {lc.limits.max_inflight}, "
               f"max_mqueue_len {lc.limits.max_mqueue_len}")
+    for up in config.upstreams:
+        print(f"upstream {up.name}: {up.url} as {up.client_id!r}, {len(up.forward)} forward and {len(up.subscribe)} "
+              f"subscribe rule(s), order {up.order}")
     print(f"{config.source}: OK")
     return 0
 
@@ -143,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the broker", description="Run the MQTT broker.",
                            epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("--config", "-c", metavar="PATH", help=f"TOML config file (default: serve on {DEFAULT_BIND})")
+    serve.add_argument("--config", "-c", metavar="PATH", default=os.environ.get("EDGE_GATEWAY_CONFIG") or None,
+                       help=f"TOML config file (default: $EDGE_GATEWAY_CONFIG if set, else serve on {DEFAULT_BIND})")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="override broker.log_level")
     serve.set_defaults(func=_cmd_serve)
     check = sub.add_parser("check-config", help="validate a config file without starting",

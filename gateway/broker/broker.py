@@ -54,9 +54,9 @@ log = logging.getLogger("gateway.broker")
 RC = ReasonCode
 
 #: Flow control: an online session is congested when its Message Queue holds at least this many messages (or
-#: 4x its Inflight Window) while its client still acknowledges; publishers are paused until it drains to one
+#: 2x its Inflight Window) while its client still acknowledges; publishers are paused until it drains to one
 #: window. A client silent for STALLED_AFTER seconds is not waited for.
-CONGESTION_MIN = 256
+CONGESTION_MIN = 64
 STALLED_AFTER = 1.0
 
 #: "No Subscription Identifiers": one shared list, never mutated.
@@ -118,6 +118,11 @@ class Broker:
         #: Online sessions whose consumer acknowledges but falls behind: the I/O layer pauses reading from
         #: publishers while this is non-empty (flow control, so backlogs and latency stay bounded).
         self.congested: set[Session] = set()
+        #: Called with every Application Message a client (or its Will) published, before the publisher's
+        #: acknowledgement is registered, so durable work they record joins the same commit (the upstream
+        #: bridge's outbox, gateway/upstream/). Not called for messages without a sender ($SYS).
+        #: Upstream hooks: each sees every client-originated message and returns True when it took it.
+        self.forwarders: list[Callable[[Message, float], bool]] = []
         self._next_sys = now
         self._next_sweep = now
         self._enc_mid = 0
@@ -572,24 +577,37 @@ class Broker:
         self._next_mid = mid + 1
         return mid
 
+    def publish_local(self, topic: str, payload: bytes, qos: int, retain: bool, properties: Any, now: float,
+                      sender: str | None = None, expires_at: float | None = None) -> Message:
+        """Publish a message that did not arrive on a client connection (the upstream bridge's downlink and its
+        ``$SYS`` values), routed like any PUBLISH; the I/O layer flushes afterwards. ``sender`` names the origin
+        (``$upstream/<name>`` for the downlink, so the bridge never forwards it back up)."""
+        message = Message(self._mid(), topic, payload, qos, retain, properties, now, expires_at, sender)
+        self._publish(message, now)
+        return message
+
     def _publish(self, message: Message, now: float) -> int:
-        """Route ``message`` to every matching subscription; return how many sessions it went to."""
+        """Route ``message`` to every matching subscription and upstream forwarder; return how many took it."""
+        count = 0
+        if self.forwarders and message.sender is not None:
+            for forward in self.forwarders:
+                if forward(message, now):
+                    count += 1
         if message.retain:
             self._retain(message)
         subs, groups = self.tree.match(message.topic)
         if not subs and not groups:
-            return 0
+            return count
         sender = message.sender
-        count = 0
         if len(subs) == 1 and not groups:
             rec = subs[0]
             if rec.no_local and rec.client_id == sender:
-                return 0
+                return count
             session = self.sessions[rec.client_id]
             self._deliver(session, message, min(message.qos, rec.qos),
                           message.retain and rec.retain_as_published,
                           [rec.sub_id] if rec.sub_id is not None else NO_IDS, now)
-            return 1
+            return count + 1
         # Overlapping subscriptions of one client: one copy at the highest QoS, carrying every matching
         # Subscription Identifier [MQTT-3.3.4-2] [MQTT-3.3.4-3].
         targets: dict[str, list[Any]] = {}
@@ -672,7 +690,7 @@ class Broker:
             self._send_new(session, conn, delivery, now)
             return
         self._enqueue(session, delivery)
-        if conn is not None and len(session.mqueue) >= max(CONGESTION_MIN, 4 * conn.window) \
+        if conn is not None and len(session.mqueue) >= max(CONGESTION_MIN, 2 * conn.window) \
                 and now - conn.last_ack_at < STALLED_AFTER:
             self.congested.add(session)
 

@@ -10,6 +10,7 @@ the order they were registered once everything recorded before them is committed
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -28,6 +29,23 @@ class LoadedState:
     sessions: list[Session] = field(default_factory=list)
     retained: list[Message] = field(default_factory=list)
     next_mid: int = 1
+
+
+@dataclass(slots=True)
+class OutboxRecord:
+    """One upstream outbox entry (gateway/upstream/): a message waiting for the cloud broker's acknowledgement.
+
+    Attributes:
+        seq: the store sequence number: FIFO order within the link, and the ``msg_id`` sent upstream.
+        message: the local message (payload stored once, referenced like queue entries).
+        qos: the QoS it is forwarded at.
+        topic: the remote topic it is forwarded to.
+    """
+
+    seq: int
+    message: Message
+    qos: int
+    topic: str
 
 
 class SessionStore(Protocol):
@@ -85,6 +103,22 @@ class SessionStore(Protocol):
         """Whether new durable work for ``client_id`` (a publisher) may be accepted (store not full)."""
         ...
 
+    def outbox_seq(self) -> int:
+        """A new upstream outbox sequence number: increasing, and not reused after a restart."""
+        ...
+
+    def outbox_saved(self, link: str, record: OutboxRecord) -> None:
+        """An entry joined upstream ``link``'s outbox (committed with the publisher's acknowledgement)."""
+        ...
+
+    def outbox_deleted(self, link: str, seq: int) -> None:
+        """An outbox entry left (acknowledged upstream, or dropped by a bound)."""
+        ...
+
+    def outbox_loaded(self, link: str) -> list[OutboxRecord]:
+        """The entries of ``link`` read back on start, in FIFO order (handed out once)."""
+        ...
+
     def close(self) -> None:
         """Commit what is pending and release the store."""
         ...
@@ -92,6 +126,10 @@ class SessionStore(Protocol):
 
 class MemoryStore:
     """A :class:`SessionStore` that keeps nothing: sessions live only in the broker's memory."""
+
+    def __init__(self) -> None:
+        # Outbox sequence numbers start at the clock (microseconds), so msg_ids stay unique across restarts.
+        self._outbox_seq = int(time.time() * 1_000_000)
 
     def load(self, now: float) -> LoadedState:
         return LoadedState()
@@ -131,6 +169,19 @@ class MemoryStore:
 
     def has_room(self, client_id: str | None) -> bool:
         return True
+
+    def outbox_seq(self) -> int:
+        self._outbox_seq += 1
+        return self._outbox_seq
+
+    def outbox_saved(self, link: str, record: OutboxRecord) -> None:
+        pass
+
+    def outbox_deleted(self, link: str, seq: int) -> None:
+        pass
+
+    def outbox_loaded(self, link: str) -> list[OutboxRecord]:
+        return []
 
     def close(self) -> None:
         pass

@@ -25,10 +25,13 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
 from gateway.store.lmdb_store import StoreSettings
+
+if TYPE_CHECKING:
+    from gateway.upstream.config import UpstreamConfig
 
 DEFAULT_BIND = "127.0.0.1:1883"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -81,6 +84,8 @@ class GatewayConfig:
     source: str = "<defaults>"
     store: StoreSettings = field(default_factory=StoreSettings)
     store_backend: str = "lmdb"
+    gateway_id: str = ""  # [broker] gateway_id (default: the host name); {gateway_id} in [[upstream]] rules
+    upstreams: list[UpstreamConfig] = field(default_factory=list)  # [[upstream]] (gateway/upstream/)
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -140,9 +145,9 @@ _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
     "max_clientid_len": ("int", 23, 65535, "an integer 23..65535"),
 }
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
-_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop"}
+_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id"}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
-_TOP_KEYS = {"broker", "listeners", "store"}
+_TOP_KEYS = {"broker", "listeners", "store", "upstream"}
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit"}
 
 
@@ -229,7 +234,19 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"broker.retain_available = {value!r}: must be true or false")
             else:
                 cfg.broker.retain_available = value
+        elif key == "gateway_id":
+            from gateway.upstream.config import gateway_id_error
+
+            why = gateway_id_error(value)
+            if why:
+                errors.append(f"broker.gateway_id = {value!r}: {why}")
+            else:
+                cfg.gateway_id = value
     _load_store(cfg, data.get("store", {}), errors)
+    if "upstream" in data:
+        from gateway.upstream.config import default_gateway_id, parse_upstreams
+
+        cfg.upstreams = parse_upstreams(data["upstream"], cfg.gateway_id or default_gateway_id(), errors)
     listeners = data.get("listeners")
     if listeners is None:
         listeners = {"external": {"bind": DEFAULT_BIND}}

@@ -13,14 +13,14 @@ import os
 import signal
 import time
 
-import sdnotify
-
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.store import MemoryStore, SessionStore
 from gateway.server.config import GatewayConfig
+from gateway.server.notify import SystemdNotify, install_debug_hang
 from gateway.server.protocol import BrokerIO, MQTTProtocol
 from gateway.store.lmdb_store import LmdbStore
+from gateway.upstream import UpstreamBridge
 
 log = logging.getLogger("gateway.server")
 
@@ -51,6 +51,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     io = BrokerIO(broker, loop)
     if lmdb_store is not None:
         lmdb_store.attach(loop, io.schedule_flush)
+    upstream = UpstreamBridge(config.upstreams, broker, io.schedule_flush)
+    upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
     servers: list[asyncio.base_events.Server] = []
     try:
         for listener in config.listeners:
@@ -86,18 +88,21 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     io.start_ticker()
-    notifier = sdnotify.SystemdNotifier()
-    notifier.notify("READY=1")
-    notifier.notify(f"STATUS=serving {len(servers)} listener(s)")
+    upstream.start()
+    install_debug_hang(loop, lmdb_store)
+    notify = SystemdNotify(broker, io, lmdb_store, len(servers), upstream)
+    notify.ready()  # READY=1, then STATUS= and WATCHDOG=1 pings while healthy (gateway/server/notify.py)
     log.info("edge-gateway ready")
     try:
         await stop.wait()
     finally:
         log.info("shutting down")
-        notifier.notify("STOPPING=1")
+        notify.stopping()
+        await notify.close()
         for server in servers:
             server.close()
         await io.stop_ticker()
+        await upstream.stop()
         broker.shutdown(time.time())
         io.flush()
         # Let the transports write their last bytes (DISCONNECT 0x8B) before the loop ends.

@@ -35,18 +35,19 @@ from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import NEVER, Session
-from gateway.broker.store import LoadedState
+from gateway.broker.store import LoadedState, OutboxRecord
 from gateway.store import records as rec
 
 log = logging.getLogger("gateway.store")
 
-DB_NAMES = ("meta", "messages", "sessions", "subs", "queue", "inbound", "retained")
+DB_NAMES = ("meta", "messages", "sessions", "subs", "queue", "inbound", "retained", "outbox")  # append only
 _INITIAL_MAP = 32 * 1024 * 1024
 _HEADROOM_FRACTION = 0.05
 _MIN_HEADROOM = 2 * 1024 * 1024
 
 # Writer operations.
 _PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
+_OB_PUT, _OB_DEL = 9, 10  # upstream outbox (gateway/upstream/)
 
 
 class StoreError(Exception):
@@ -101,12 +102,14 @@ class LmdbStore:
         self._undo: list[tuple[int, int]] = []
         self._seq = 1
         self._next_mid_hint = 1
+        self._outbox_loaded: dict[str, list[OutboxRecord]] = {}
         self._lock_fd: int | None = None
         self.used_bytes = 0
         self.map_size = 0
         self.commits = 0
         self.committed_ops = 0
         self.last_commit_at = time.monotonic()
+        self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
         self.write_errors = 0
         self.last_write_failed = False
         self.refused = 0
@@ -176,7 +179,7 @@ class LmdbStore:
 
     def _read_all(self, now: float, cleanup: bool = True) -> LoadedState:
         assert self.env is not None
-        meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db = self.dbs
+        meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db, outbox_db = self.dbs
         state = LoadedState()
         sessions: dict[str, Session] = {}
         expired_sessions: list[str] = []
@@ -250,8 +253,20 @@ class LmdbStore:
                     continue
                 state.retained.append(msg)
                 refs[mid] = refs.get(mid, 0) + 1
+            outbox: dict[str, list[OutboxRecord]] = {}
+            orphan_outbox: list[bytes] = []
+            for key, value in txn.cursor(db=outbox_db):
+                link, rest = rec.split_client_key(bytes(key))
+                mid, qos, topic = rec.decode_outbox(bytes(value))
+                msg = message(mid)
+                if msg is None:
+                    orphan_outbox.append(bytes(key))
+                    continue
+                outbox.setdefault(link, []).append(OutboxRecord(rec.from_u64(rest), msg, qos, topic))
+                refs[mid] = refs.get(mid, 0) + 1
             orphans = [bytes(k) for k, _ in txn.cursor(db=messages) if rec.from_u64(bytes(k)) not in refs]
         self._refs = refs
+        self._outbox_loaded = outbox
         self._seq = int(seq) if seq is not None else 1
         state.next_mid = int(next_mid) if next_mid is not None else 1
         state.sessions = list(sessions.values())
@@ -276,6 +291,8 @@ class LmdbStore:
                 txn.delete(key, db=inbound_db)
             for key in expired_retained:
                 txn.delete(key, db=retained_db)
+            for key in orphan_outbox:
+                txn.delete(key, db=outbox_db)
             for key in orphans:
                 txn.delete(key, db=messages)
         if expired_sessions or expired_rows or expired_retained:
@@ -285,7 +302,7 @@ class LmdbStore:
         return state
 
     def _delete_session_rows(self, txn: Any, cid: str) -> None:
-        _meta, _messages, sessions_db, subs_db, queue_db, inbound_db, _ret = self.dbs
+        _meta, _messages, sessions_db, subs_db, queue_db, inbound_db, _ret, _outbox = self.dbs
         txn.delete(cid.encode("utf-8"), db=sessions_db)
         prefix = rec.client_prefix(cid)
         for db in (subs_db, queue_db, inbound_db):
@@ -339,9 +356,8 @@ class LmdbStore:
                     self._ref(txn, message)
                 txn.put(key, value, db=dbs[4])
             elif kind == _Q_DEL:
-                value = txn.pop(op[1], db=dbs[4])
-                if value is not None:
-                    self._unref(txn, rec.from_u64(value))
+                if txn.delete(op[1], db=dbs[4]):
+                    self._unref(txn, op[2])
             elif kind == _PUT:
                 txn.put(op[2], op[3], db=dbs[op[1]])
             elif kind == _DEL:
@@ -370,6 +386,14 @@ class LmdbStore:
                     self._unref(txn, rec.from_u64(value))
             elif kind == _SESS_DEL:
                 self._delete_session_rows(txn, op[1])
+            elif kind == _OB_PUT:
+                _, key, value, message = op
+                self._ref(txn, message)
+                txn.put(key, value, db=dbs[7])
+            elif kind == _OB_DEL:
+                value = txn.pop(op[1], db=dbs[7])
+                if value is not None:
+                    self._unref(txn, rec.from_u64(value))
 
     def _write_loop(self) -> None:
         q = self._queue
@@ -496,6 +520,8 @@ class LmdbStore:
             return
         ops, self._ops = self._ops, []
         cbs, self._cbs = self._cbs, []
+        if not self._inflight:
+            self.waiting_since = time.monotonic()
         self._inflight.append(cbs)
         self._queue.put((ops, self._next_mid_hint, self._seq))
 
@@ -534,7 +560,7 @@ class LmdbStore:
 
     def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
         if delivery.seq:
-            self._record((_Q_DEL, rec.client_prefix(client_id) + rec.u64(delivery.seq)))
+            self._record((_Q_DEL, rec.client_prefix(client_id) + rec.u64(delivery.seq), delivery.message.mid))
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)
@@ -561,6 +587,22 @@ class LmdbStore:
         else:
             callback()
 
+    def outbox_seq(self) -> int:
+        seq = self._seq  # shared with queue rows; persisted as next_seq with every commit
+        self._seq += 1
+        return seq
+
+    def outbox_saved(self, link: str, record: OutboxRecord) -> None:
+        self.note_mid(record.message.mid)
+        key = rec.client_prefix(link) + rec.u64(record.seq)
+        self._record((_OB_PUT, key, rec.encode_outbox(record.message.mid, record.qos, record.topic), record.message))
+
+    def outbox_deleted(self, link: str, seq: int) -> None:
+        self._record((_OB_DEL, rec.client_prefix(link) + rec.u64(seq)))
+
+    def outbox_loaded(self, link: str) -> list[OutboxRecord]:
+        return self._outbox_loaded.pop(link, [])
+
     def has_room(self, client_id: str | None) -> bool:
         limit = self.settings.max_size
         headroom = max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))
@@ -576,7 +618,8 @@ class LmdbStore:
         """True while the writer thread is alive and not stuck on a batch (for the systemd watchdog)."""
         if self._writer is None or not self._writer.is_alive():
             return False
-        return not (self._inflight and time.monotonic() - self.last_commit_at > max_age)
+        since = max(self.last_commit_at, self.waiting_since)  # an idle store's first batch is not late
+        return not (self._inflight and time.monotonic() - since > max_age)
 
     def close(self) -> None:
         """Commit what is pending, stop the writer, close the environment and release the lock."""

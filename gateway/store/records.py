@@ -14,6 +14,7 @@ subs        client id, 0x00, filter as written      :func:`encode_subscription`
 queue       client id, 0x00, seq (8 bytes BE)       :func:`encode_delivery` (inflight when packet_id != 0)
 inbound     client id, 0x00, Packet Identifier (2)  mid (8), received_at (float64)
 retained    topic (UTF-8)                           mid (8 bytes BE)
+outbox      upstream name, 0x00, seq (8 bytes BE)   :func:`encode_outbox`: mid (8), QoS (1), remote topic
 ==========  ======================================  =====================================================
 
 Client identifiers and topics cannot contain U+0000 [MQTT-1.5.4-2], so 0x00 separates key parts safely.
@@ -38,6 +39,7 @@ _DEL = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_
 _SESS = struct.Struct("!dddB")  # expiry_interval, expires_at, will_at (-1 = none), protocol_level
 _SUB = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0 = none)
 _INB = struct.Struct("!Qd")
+_OUT = struct.Struct("!QB")  # mid, qos (then the remote topic)
 _U64 = struct.Struct("!Q")
 _NONE = -1.0
 
@@ -175,3 +177,15 @@ def decode_inbound(data: bytes) -> tuple[int, float]:
     """``(mid, received_at)``."""
     mid, received_at = _INB.unpack_from(data, 0)
     return mid, received_at
+
+
+def encode_outbox(mid: int, qos: int, topic: str) -> bytes:
+    """An upstream outbox entry: the message by mid, the QoS and the remote topic it is forwarded at/to."""
+    return _OUT.pack(mid, qos) + encode_string(topic)
+
+
+def decode_outbox(data: bytes) -> tuple[int, int, str]:
+    """``(mid, qos, remote topic)``."""
+    mid, qos = _OUT.unpack_from(data, 0)
+    topic, _ = decode_string(data, _OUT.size)
+    return mid, qos, topic

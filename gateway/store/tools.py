@@ -44,6 +44,7 @@ def stats(settings: StoreSettings, out: TextIO = sys.stdout, as_json: bool = Fal
     out.write(f"queued           {info['queue_entries']} deliveries\n")
     out.write(f"inbound QoS 2    {info['inbound_entries']} awaiting PUBREL\n")
     out.write(f"retained         {info['retained_entries']}\n")
+    out.write(f"upstream outbox  {info.get('outbox_entries', 0)} awaiting the cloud broker's acknowledgement\n")
     out.write(f"oldest message   {'-' if age is None else f'{age:.1f} s'}\n")
     for cid, depth in sorted(info["queue_depths"].items(), key=lambda kv: -kv[1])[:20]:
         out.write(f"  queue {cid!r}: {depth}\n")
@@ -80,6 +81,11 @@ def _bar(done: int, total: int, out: TextIO, width: int = 40) -> None:
     out.flush()
 
 
+def _has_db(env: lmdb.Environment, name: str) -> bool:
+    with env.begin() as txn:
+        return txn.get(name.encode()) is not None  # named databases are keys of the main database
+
+
 def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
     """Copy every entry into a fresh environment (showing progress) and swap it in only when complete.
 
@@ -98,12 +104,13 @@ def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
         env = lmdb.open(str(src), readonly=True, max_dbs=len(DB_NAMES) + 1, lock=False)
         dst = lmdb.open(str(tmp), map_size=max(env.info()["map_size"], 1 << 20), max_dbs=len(DB_NAMES) + 1)
         try:
-            dbs = [env.open_db(n.encode(), create=False) for n in DB_NAMES]
+            names = [n for n in DB_NAMES if _has_db(env, n)]  # a store written before "outbox" existed lacks it
+            dbs = [env.open_db(n.encode(), create=False) for n in names]
             with env.begin() as txn:
                 total = sum(txn.stat(db)["entries"] for db in dbs)
             done = 0
             _bar(0, total, out)
-            for name, db in zip(DB_NAMES, dbs, strict=True):
+            for name, db in zip(names, dbs, strict=True):
                 ddb = dst.open_db(name.encode())
                 with env.begin(db=db) as rtxn:
                     cursor = rtxn.cursor()
