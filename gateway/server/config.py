@@ -152,10 +152,13 @@ _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "
 
 
 def default_store_path() -> str:
-    """``$STATE_DIRECTORY`` when systemd sets it (first entry), else ``./var``."""
+    """``$STATE_DIRECTORY/store`` when systemd sets it (first entry), else ``./var``.
+
+    A directory below the StateDirectory, so the store's lock file (kept beside the store, where a quarantine does
+    not move it) is inside the one tree ``ProtectSystem=strict`` leaves writable."""
     state = os.environ.get("STATE_DIRECTORY")
     if state:
-        return state.split(":")[0]
+        return os.path.join(state.split(":")[0], "store")
     return "var"
 
 

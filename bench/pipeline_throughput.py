@@ -7,7 +7,7 @@ malformed payloads, arrivals shuffled within each file. Then times ``fleet-pipel
 (clean, dedup, windows, completeness, latency; Parquet out) twice: the first run includes the JVM's warm-up, the
 second is an idempotent rebuild of the same partitions.
 
-    .venv/bin/python bench/pipeline.py [--records 1000000] [--workdir DIR] [--keep]
+    .venv/bin/python bench/pipeline_throughput.py [--records 1000000] [--workdir DIR] [--keep]
 
 Not a test: reads and writes only under its work directory (a temporary one by default) and stops by itself.
 """

@@ -1,0 +1,112 @@
+#!/bin/sh
+# The in-image probe of `make image-test` (image/boot-test.sh reads its lines from the serial log).
+# Each check prints one line "edge-gateway-probe: PASS <name> ..." or "edge-gateway-probe: FAIL <name> ...",
+# then "edge-gateway-probe: DONE" and the machine powers off.
+set -u
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+GW=edge-gateway.service
+BRIDGE=firmware-bridge.service
+
+say() { echo "<4>edge-gateway-probe: $*" > /dev/kmsg; }
+pass() { say "PASS $*"; }
+fail() { say "FAIL $*"; failed=1; }
+failed=0
+
+# wait_for SECONDS COMMAND...: poll until COMMAND succeeds.
+wait_for() {
+    limit=$1; shift
+    end=$(( $(cut -d. -f1 /proc/uptime) + limit ))
+    until "$@" >/dev/null 2>&1; do
+        [ "$(cut -d. -f1 /proc/uptime)" -ge "$end" ] && return 1
+        sleep 1
+    done
+}
+journal() {  # the last lines of a unit's journal, to the console
+    journalctl -u "$1" -n "${2:-15}" --no-pager -o cat 2>&1 | while IFS= read -r line; do say "  $1: $line"; done
+}
+prop() { systemctl show -p "$2" --value "$1"; }
+roundtrip() {  # roundtrip TOPIC: a QoS 1 message from mosquitto_pub reaches mosquitto_sub through the broker
+    token="rt-$(cut -d' ' -f1 /proc/uptime)-$$"
+    rm -f /run/probe-rt
+    mosquitto_sub -h 127.0.0.1 -p 1883 -q 1 -t "$1" -C 1 -W 60 > /run/probe-rt 2>&1 &
+    sub=$!
+    n=0
+    while kill -0 "$sub" 2>/dev/null && [ "$n" -lt 60 ]; do  # until the subscriber has it (it may subscribe late)
+        mosquitto_pub -h 127.0.0.1 -p 1883 -q 1 -t "$1" -m "$token" >/dev/null 2>&1
+        sleep 1; n=$((n + 1))
+    done
+    wait "$sub"
+    [ "$(head -n1 /run/probe-rt)" = "$token" ]
+}
+
+say "START $(uname -r), up $(cut -d' ' -f1 /proc/uptime) s"
+
+# 1. The broker is active only after READY=1 (Type=notify): listeners bound, store open.
+if wait_for 180 systemctl is-active --quiet "$GW"; then
+    pass "broker-active $GW is $(prop $GW ActiveState) after READY; pid $(prop $GW MainPID); status: $(prop $GW StatusText)"
+else
+    fail "broker-active $GW is $(prop $GW ActiveState)/$(prop $GW SubState)"; journal "$GW"
+fi
+
+# 2. A publish/subscribe round trip through the broker.
+if roundtrip probe/roundtrip; then
+    pass "pubsub-roundtrip QoS 1 message from mosquitto_pub reached mosquitto_sub on 127.0.0.1:1883"
+else
+    fail "pubsub-roundtrip got '$(head -c 200 /run/probe-rt)'"
+fi
+
+# 3. firmware-bridge with the simulator on a pty: active (READY=1 once connected to the broker) and a reading arrives.
+install -d -o firmware-bridge -g firmware-bridge -m 0755 /run/firmware-sim
+setpriv --reuid=firmware-bridge --regid=firmware-bridge --init-groups \
+    /opt/edge-gateway/bin/firmware-bridge simulate --link /run/firmware-sim/buoy-b01 --rate 2 \
+    > /run/firmware-sim/simulator.log 2>&1 &
+sim=$!
+if wait_for 120 systemctl is-active --quiet "$BRIDGE"; then
+    reading=$(mosquitto_sub -h 127.0.0.1 -p 1883 -t 'sensors/gw-image/#' -C 1 -W 90 -v 2>&1)
+    case "$reading" in
+        sensors/gw-image/*'"seq"'*)
+            pass "bridge-reading $BRIDGE active, simulator on $(readlink /run/firmware-sim/buoy-b01): $(echo "$reading" | head -c 160)" ;;
+        *)
+            fail "bridge-reading no reading on sensors/gw-image/#: '$(echo "$reading" | head -c 200)'"
+            journal "$BRIDGE"; sed 's/^/  simulator: /' /run/firmware-sim/simulator.log | head -20 > /dev/kmsg ;;
+    esac
+else
+    fail "bridge-active $BRIDGE is $(prop $BRIDGE ActiveState)/$(prop $BRIDGE SubState)"; journal "$BRIDGE" 25
+fi
+bridge_pid=$(prop $BRIDGE MainPID)
+
+# 4. A hung broker (SIGSTOP: no loop turns, no WATCHDOG=1) is killed by the watchdog and restarted.
+old=$(prop $GW MainPID)
+restarts=$(prop $GW NRestarts)
+t0=$(cut -d' ' -f1 /proc/uptime)
+kill -STOP "$old"
+say "hung the broker: kill -STOP $old (WatchdogSec=$(prop $GW WatchdogUSec))"
+restarted() { new=$(prop $GW MainPID); [ "$new" != "$old" ] && [ "$new" != 0 ] && systemctl is-active --quiet "$GW"; }
+if wait_for 150 restarted; then
+    t1=$(cut -d' ' -f1 /proc/uptime)
+    why=$(journalctl -u "$GW" --no-pager -o cat 2>/dev/null | grep -m1 -i 'watchdog timeout')
+    if [ "$(prop $GW NRestarts)" -gt "$restarts" ] && [ -n "$why" ]; then
+        pass "watchdog-restart pid $old -> $(prop $GW MainPID) after $(echo "$t1 - $t0" | awk '{print $1 - $3}') s; NRestarts $restarts -> $(prop $GW NRestarts); journal: $why"
+    else
+        fail "watchdog-restart new pid but NRestarts $(prop $GW NRestarts), journal: '$why'"; journal "$GW" 25
+    fi
+else
+    kill -CONT "$old" 2>/dev/null
+    fail "watchdog-restart $GW still pid $(prop $GW MainPID), $(prop $GW ActiveState)/$(prop $GW SubState)"; journal "$GW" 25
+fi
+
+# 5. After the restart: the broker serves again and the bridge kept running (Wants=, not Requires=).
+if roundtrip probe/after-restart; then
+    pass "pubsub-after-restart round trip works through the restarted broker"
+else
+    fail "pubsub-after-restart got '$(head -c 200 /run/probe-rt)'"
+fi
+if [ "$(prop $BRIDGE MainPID)" = "$bridge_pid" ] && systemctl is-active --quiet "$BRIDGE"; then
+    pass "bridge-survived-restart $BRIDGE still pid $bridge_pid"
+else
+    fail "bridge-survived-restart $BRIDGE pid $bridge_pid -> $(prop $BRIDGE MainPID), $(prop $BRIDGE ActiveState)"
+fi
+
+kill "$sim" 2>/dev/null
+say "DONE failed=$failed"
+systemctl --no-block poweroff
