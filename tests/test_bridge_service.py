@@ -439,7 +439,8 @@ def test_sd_notify_ready_only_once_connected_and_sigterm_exits_cleanly(
     make_broker: Callable[[str], BrokerProcess], tmp_path: Path
 ) -> None:
     """Issue 5: sd_notify READY=1 once the broker connection is up (not before: the bridge starts while the
-    broker is down), STOPPING=1 and exit code 0 on SIGTERM."""
+    broker is down), WATCHDOG=1 every half WATCHDOG_USEC while running (issue 7: the unit's WatchdogSec=),
+    STOPPING=1 and exit code 0 on SIGTERM."""
     sockdir = tempfile.mkdtemp(prefix="fwb-", dir="/tmp")
     notify_path = os.path.join(sockdir, "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -469,7 +470,7 @@ reconnect_max = "0.2s"
 path = "{board.link}"
 """,
         workdir=tmp_path,
-        env={"NOTIFY_SOCKET": notify_path},
+        env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "400000"},
     )
     try:
         bridge.start(wait_for="unreachable")
@@ -479,6 +480,7 @@ path = "{board.link}"
         wait_until(lambda: [m for m in drain() if "READY=1" in m], 10, "READY=1")
         board.send_reading()
         wait_until(lambda: bridge.count("device buoy-n seen") == 1, 10, "the reading")
+        wait_until(lambda: sum(m == "WATCHDOG=1" for m in drain()) >= 3, 5, "WATCHDOG=1 pings")
         assert bridge.stop() == 0
         wait_until(lambda: [m for m in drain() if "STOPPING=1" in m], 5, "STOPPING=1")
         assert [m for m in received if m == "READY=1"] == ["READY=1"]

@@ -140,6 +140,7 @@ class Bridge:
         pub_task = asyncio.ensure_future(self.publisher.run())
         link_tasks = [asyncio.ensure_future(link.run()) for link in self.links]
         stats_task = asyncio.ensure_future(self._stats_loop())
+        watchdog_task = asyncio.ensure_future(self._watchdog_loop())
         self._notifier.notify(f"STATUS=connecting to {self.cfg.mqtt.broker}; {len(self.links)} port(s)")
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stopper, pub_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -152,7 +153,8 @@ class Bridge:
             if pending.timer is not None:
                 pending.timer.cancel()
         stats_task.cancel()
-        await asyncio.gather(stats_task, return_exceptions=True)
+        watchdog_task.cancel()
+        await asyncio.gather(stats_task, watchdog_task, return_exceptions=True)
         self._write_stats_file()
         self.publisher.stop(drain=2.0)
         await asyncio.gather(pub_task, return_exceptions=True)
@@ -164,6 +166,18 @@ class Bridge:
             log.warning("%d buffered message(s) not published before exit", left)
         stopper.cancel()
         log.info("stopped: %d published", self.publisher.published)
+
+    async def _watchdog_loop(self) -> None:
+        """WATCHDOG=1 every half ``WATCHDOG_USEC`` while the event loop turns (systemd ``WatchdogSec=``): a hung
+        loop stops the pings and systemd restarts the service. Nothing when not under a watchdog."""
+        usec = os.environ.get("WATCHDOG_USEC")
+        pid = os.environ.get("WATCHDOG_PID")
+        if not usec or not usec.isdigit() or (pid and pid != str(os.getpid())):
+            return
+        interval = int(usec) / 2e6
+        while True:
+            self._notifier.notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
