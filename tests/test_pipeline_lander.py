@@ -5,16 +5,24 @@ lander is SIGKILLed mid-stream; then the cloud side end to end (Mosquitto -> lan
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-import pytest
+from bridge_helpers import BridgeProcess, read_stats
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pipeline_fixtures import LanderProcess, Mosquitto, envelope, landed_lines, mosquitto, spark, wait_for
+from upstream_peers import LocalClient
+from upstream_peers import Mosquitto as CloudBroker
 
 __all__ = ["mosquitto", "spark"]
 
@@ -194,25 +202,28 @@ def test_lander_reconnects_and_resubscribes_after_a_broker_restart(tmp_path: Pat
 # -- the cloud side end to end ------------------------------------------------------------------------------------
 
 
-def check_cloud_side(spark: Any, landing: Path, tables: Path, day: dt.date, devices: dict[tuple[str, str], int],
-                     expected_duplicates: int | None) -> dict[str, int]:  # fmt: skip
-    """What issue 8's end-to-end test asserts once data has landed: `run all` for ``day``; no reading of
-    ``devices`` ((gateway, device) -> readings sent, seq 0..n-1 in one boot) is missing, the completeness table
-    shows no gap, and the dedup count equals ``expected_duplicates`` (the duplicates the bridge reported plus
-    the redeliveries the landing shows), when given."""
+def check_cloud_side(spark: Any, landing: Path, tables: Path, day: dt.date, devices: dict[tuple[str, str], int | range],
+                     expected_duplicates: int | None, last: dt.date | None = None) -> dict[str, int]:  # fmt: skip
+    """What issue 8's end-to-end test asserts once data has landed: `run all` for ``day`` (to ``last``, for a run
+    that crossed midnight UTC); no reading of ``devices`` ((gateway, device) -> readings sent, seq 0..n-1 in one
+    boot, or the range of seqs sent when the first ones never reached the gateway) is missing, the completeness
+    table shows no gap, and the dedup count equals ``expected_duplicates`` (the duplicates the bridge reported
+    plus the redeliveries the landing shows), when given."""
     from pyspark.sql import functions as F
 
     from pipeline import jobs
     from pipeline import tables as tbl
 
+    last = last or day
     cfg = jobs.JobConfig(landing=str(landing), tables=str(tables), as_of=dt.datetime.now(dt.UTC) + dt.timedelta(days=1))
-    stats = jobs.run(spark, cfg, "all", day, day)
-    readings = tbl.read_table(spark, str(tables), "readings", day, day)
+    stats = jobs.run(spark, cfg, "all", day, last)
+    readings = tbl.read_table(spark, str(tables), "readings", day, last)
     per_device = readings.groupBy("gateway_id", "device").agg(F.count("seq").alias("n"), F.min("seq").alias("lo"),
                                                               F.max("seq").alias("hi"))  # fmt: skip
     got = {(r["gateway_id"], r["device"]): (r["n"], r["lo"], r["hi"]) for r in per_device.collect()}
-    assert got == {k: (n, 0, n - 1) for k, n in devices.items()}
-    comp = tbl.read_table(spark, str(tables), "completeness", day, day)
+    want = {k: seqs if isinstance(seqs, range) else range(seqs) for k, seqs in devices.items()}
+    assert got == {k: (len(r), r[0], r[-1]) for k, r in want.items()}
+    comp = tbl.read_table(spark, str(tables), "completeness", day, last)
     assert comp.where("missing > 0").count() == 0
     assert stats["missing"] == 0 and stats["quarantine"] == 0
     if expected_duplicates is not None:
@@ -257,18 +268,231 @@ def test_cloud_side_publisher_lander_crash_spark_no_gap_and_exact_dedup(
     check_cloud_side(spark, landing, tables, start.date(), devices, expected_duplicates=len(lines) - total)
 
 
-@pytest.mark.skip(
-    reason="needs the sensor simulator and firmware-bridge (issue 5) and the gateway's upstream bridge (issue 6), "
-    "built in parallel; completes with check_cloud_side() once they exist"
-)
-def test_end_to_end_simulator_bridge_upstream_outage_lander_spark() -> None:
-    """Issue 8's end to end: the simulator replays the buoy series through firmware-bridge -> broker -> upstream ->
-    Mosquitto -> lander -> Spark with an upstream outage in the middle; the completeness table shows no gap for
-    QoS 1 data and the dedup count equals the duplicates the bridge reported.
+E2E_GW = "gw-e2e"
+E2E_DEVICE = "buoy-b01"
+E2E_LINK = "cloud"
+E2E_LANDER = "lander-e2e"
 
-    To complete: start the gateway broker with an [[upstream]] to `mosquitto.port` forwarding sensors/# to
-    fleet/<gateway_id>/<device>, firmware-bridge on the simulator's pty, and a LanderProcess on fleet/+/+; stop the
-    Mosquitto in the middle and restart it on the same port; when the simulator is done and the upstream backlog is
-    drained, call check_cloud_side(spark, landing, tables, day, {(gateway_id, device): frames sent},
-    expected_duplicates=<bridge-reported duplicates> + <lander redeliveries>)."""
-    raise AssertionError("skipped")
+
+def _e2e_gateway_config(store: Path, cloud_port: int) -> str:
+    """The edge gateway: LMDB store, one [[upstream]] to the cloud forwarding sensors/# as fleet/<gw>/<device>."""
+    return f"""
+[broker]
+gateway_id = "{E2E_GW}"
+sys_interval = "0.5s"
+[store]
+backend = "lmdb"
+path = "{store}"
+[listeners.external]
+bind = "127.0.0.1:0"
+[[upstream]]
+name = "{E2E_LINK}"
+url = "mqtt://127.0.0.1:{cloud_port}"
+backoff_initial = "50ms"
+backoff_max = "300ms"
+connect_timeout = "3s"
+drain_rate = 2000
+[[upstream.forward]]
+local = "sensors/#"
+remote = "fleet/{{suffix}}"
+qos = 1
+"""
+
+
+def _e2e_bridge_config(gateway_port: int, tty: Path, stats_file: Path) -> str:
+    """firmware-bridge on the simulator's pty, publishing QoS 1 readings to the gateway."""
+    return f"""
+[bridge]
+gateway_id = "{E2E_GW}"
+stats_interval = "0.2s"
+stats_file = "{stats_file}"
+[mqtt]
+broker = "127.0.0.1:{gateway_port}"
+reconnect_min = "0.05s"
+reconnect_max = "0.5s"
+[[ports]]
+path = "{tty}"
+device = "{E2E_DEVICE}"
+qos = 1
+reopen_max = "0.02s"
+"""
+
+
+def _stop_pid(proc: subprocess.Popen[bytes] | None) -> int | None:
+    """SIGTERM by PID and wait (SIGKILL after 10 s); the exit code."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _sys(observer: LocalClient, key: str) -> str | None:
+    """The latest ``$SYS/broker/connection/cloud/<key>`` value the observer received."""
+    topic = f"$SYS/broker/connection/{E2E_LINK}/{key}"
+    with observer.lock:
+        values = [m.payload.decode() for m in observer.messages if m.topic == topic]
+    return values[-1] if values else None
+
+
+def _timeline(observer: LocalClient) -> list[tuple[str, int | str]]:
+    """The link's state changes and the readings' seqs, in the order the gateway sent them to the observer."""
+    state = f"$SYS/broker/connection/{E2E_LINK}/state"
+    with observer.lock:
+        messages = list(observer.messages)
+    out: list[tuple[str, int | str]] = []
+    for m in messages:
+        if m.topic == state:
+            out.append(("state", m.payload.decode()))
+        elif m.topic.startswith(f"sensors/{E2E_GW}/"):
+            out.append(("seq", int(json.loads(m.payload)["seq"])))
+    return out
+
+
+def _sync(observer: LocalClient, n: int) -> None:
+    """Round trip a marker through the gateway: every ``$SYS`` value published before it has been received too (a
+    ``$SYS`` batch is queued to the observer at once, so a batch seen in part is then seen whole)."""
+    observer.publish("e2e/marker", str(n).encode(), 0)
+    wait_for(lambda: str(n).encode() in observer.payloads("e2e/marker"), 10, "the marker back from the gateway")
+
+
+def test_end_to_end_simulator_bridge_upstream_outage_lander_spark(spark: Any, make_broker: Any, tmp_path: Path) -> None:
+    """Issue 8's end to end, every hop a real process on 127.0.0.1: `firmware-bridge simulate` replays the NERACOOS
+    buoy B01 series on a real pty at 100 readings/s -> firmware-bridge (QoS 1) -> the edge gateway (LMDB store) ->
+    its upstream bridge -> Mosquitto, the cloud -> the lander (`fleet-pipeline land`) -> Spark (`run all`). In
+    the middle the cloud is stopped (SIGTERM by PID) while the board keeps sending, then restarted on the same port.
+
+    The outage really happened: the link's ``$SYS`` state goes connected -> backing-off/connecting -> connected
+    (2 connects), the outbox held the readings meanwhile, and the readings that reached the gateway while the link
+    was down (between those state changes in the gateway's own stream to one observer) were all landed.
+
+    No gap for QoS 1 data: every reading firmware-bridge published (its stats: ``readings``, last ``seq``, no
+    ``gaps``/``lost``) is in Spark's readings table once, and the completeness table shows nothing missing. The
+    first frames the board wrote before the bridge had the pty open are flushed by the open (pyserial discards
+    the input queue) and never enter the QoS 1 chain: the series starts at the first seq the bridge published, and
+    the completeness job (by design) does not count a first boot's seqs before its first reading as missing.
+
+    The dedup count is exact. Where copies come from:
+
+    - firmware-bridge's own ``duplicates`` counter is frames repeated on the serial line, dropped before MQTT: 0
+      here and never in the landing; the gateway's outbox got each reading once (``forwarded/messages`` equals the
+      readings published).
+    - the upstream bridge reports its re-sends as ``publish/sent - forwarded/messages`` (PUBLISH packets sent
+      beyond one acknowledgement per message). A re-send is a duplicate in the cloud only when the cloud had taken
+      the first copy (its PUBACK was lost); a PUBLISH still unread in Mosquitto's socket when it stopped is resent
+      but not duplicated. The cloud's own log says which: ``Received PUBLISH from <gateway>`` lines minus the
+      readings are the copies it took twice (bounded by the re-sends).
+    - the lander acknowledges only after its roll, so the messages in flight to it when the cloud stopped were
+      landed (on the lost connection) and are sent again to its resumed persistent session: Mosquitto's
+      ``Sending PUBLISH to <lander> (d1`` lines. The cloud is stopped while the lander holds >= 20 messages not
+      yet rolled, so these are never zero; on loopback they are usually all the duplicates of the run (the
+      upstream's re-sends are 0 or a PUBLISH Mosquitto never read).
+
+    So the duplicates the dedup job removes = (copies the cloud took from the upstream bridge beyond one per reading)
+    + (DUP redeliveries to the lander); every copy of a reading carries the same msg_id. The cloud keeps sessions
+    across its restart (persistence, as a real cloud broker): an in-memory Mosquitto would lose the lander's
+    session and what it had acknowledged to the gateway but not yet delivered, a gap made by the test's broker."""
+    rate, count = 100, 1500
+    landing, tables, store = tmp_path / "landing", tmp_path / "tables", tmp_path / "store"
+    tty, stats_file = tmp_path / "ttyBUOY", tmp_path / "bridge-stats.json"
+    cloud = CloudBroker(extra="log_type all\nlog_timestamp false").start()
+    lander: LanderProcess | None = None
+    bridge: BridgeProcess | None = None
+    sim: subprocess.Popen[bytes] | None = None
+    observer: LocalClient | None = None
+    try:
+        lander = LanderProcess(cloud.port, landing, E2E_LANDER, "--topic", "fleet/+/+", "--idle", "0.2s",
+                               "--roll-interval", "0.5s", "--max-pending", "200").start()  # fmt: skip
+        gw = make_broker(_e2e_gateway_config(store, cloud.port))
+        obs = observer = LocalClient(gw.port, "observer-e2e")
+        obs.subscribe(f"$SYS/broker/connection/{E2E_LINK}/#", 0)
+        obs.subscribe(f"sensors/{E2E_GW}/+", 0)  # QoS 0 like $SYS: one stream, in the gateway's order
+        obs.subscribe("e2e/marker", 0)
+        wait_for(lambda: _sys(obs, "state") == "connected", 15, "the upstream link up")
+        bridge = BridgeProcess(_e2e_bridge_config(gw.port, tty, stats_file), workdir=tmp_path).start()
+        with open(tmp_path / "simulator.log", "wb") as sim_log:
+            sim = subprocess.Popen(
+                [sys.executable, "-m", "firmware_bridge", "simulate", "--link", str(tty), "--device", E2E_DEVICE,
+                 "--rate", str(rate), "--count", str(count), "--boot", "3", "--log-level", "warning"],
+                stdout=sim_log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+        # -- the outage, mid-stream --
+        wait_for(lambda: len(landed_lines(landing)) >= 200, 30, "readings landed before the outage")
+        # stop while the lander holds >= 20 messages it has not rolled yet, so not acknowledged (a roll is due
+        # only when the oldest is 0.5 s old, ~50 messages): the cloud keeps them for the lander's session
+        wait_for(lambda: lander.log().count("received fleet/") - len(landed_lines(landing)) >= 20, 10,
+                 "20 messages awaiting the lander's roll")  # fmt: skip
+        cloud.stop()
+        wait_for(lambda: _sys(obs, "state") not in (None, "connected"), 10, "the link to go down")
+        wait_for(lambda: int(_sys(obs, "backlog/messages") or 0) >= 300, 30, "300 readings in the outbox")
+        forwarded_during_outage = int(_sys(obs, "forwarded/messages") or 0)
+        cloud.start()  # same port, sessions restored from its persistence file
+        wait_for(lambda: _sys(obs, "state") == "connected", 15, "the link to come back")
+        assert sim.wait(60) == 0
+
+        # -- drained: the board is done, firmware-bridge published everything, the outbox is empty --
+        def bridge_done() -> bool:
+            stats = read_stats(stats_file)
+            return bool(stats and stats["mqtt"]["buffered"] == 0 and stats["devices"][E2E_DEVICE]["seq"] == count - 1)
+
+        wait_for(bridge_done, 20, "firmware-bridge to publish the last reading")
+        dev = (read_stats(stats_file) or {})["devices"][E2E_DEVICE]
+        assert (dev["boot"], dev["gaps"], dev["lost"], dev["duplicates"], dev["seq_regressions"]) == (3, 0, 0, 0, 0)
+        n = dev["readings"]
+        sent = range(count - n, count)  # what entered the QoS 1 chain: seq first..count-1, no gap (gaps == 0)
+        assert n >= count - 50  # at most the frames written before the bridge opened the pty were flushed
+        wait_for(lambda: _sys(obs, "forwarded/messages") == str(n) and _sys(obs, "backlog/messages") == "0", 30,
+                 "the upstream outbox to drain")  # fmt: skip
+        _sync(obs, 1)
+        wait_for(lambda: len({r["msg_id"] for r in landed_lines(landing)}) == n, 30, "every reading landed")
+        assert lander.stop() == 0, lander.log()
+        assert bridge.stop() == 0, bridge.log()
+
+        # -- the outage happened, and what was published during it arrived --
+        timeline = _timeline(obs)
+        timeline = timeline[timeline.index(("state", "connected")) :]  # from the first connection on
+        states = [v for kind, v in timeline if kind == "state"]
+        assert states[-1] == "connected" and states.count("connected") == 2 and "backing-off" in states
+        down = next(i for i, (kind, v) in enumerate(timeline) if kind == "state" and v != "connected")
+        up = next(i for i, (kind, v) in enumerate(timeline) if i > down and kind == "state" and v == "connected")
+        during = [v for kind, v in timeline[down:up] if kind == "seq"]
+        assert len(during) >= 250  # the outbox held >= 300, a few of them in flight when the link dropped
+        assert (_sys(obs, "connects"), _sys(obs, "dropped"), _sys(obs, "inflight")) == ("2", "0", "0")
+        assert forwarded_during_outage + len(during) <= n
+        lines = landed_lines(landing)
+        landed = {json.loads(r["payload"])["seq"] for r in lines}
+        assert set(during) <= landed and landed == set(sent)
+        assert f"connection to 127.0.0.1:{cloud.port} lost" in lander.log()  # the lander saw the outage too ...
+        assert lander.log().count("lander ready") == 2  # ... and resumed its session
+
+        # -- where the duplicates come from --
+        msg_ids: dict[int, set[str]] = {}
+        for r in lines:
+            msg_ids.setdefault(json.loads(r["payload"])["seq"], set()).add(r["msg_id"])
+        assert all(len(ids) == 1 for ids in msg_ids.values())  # every copy of a reading has its one msg_id
+        assert len({next(iter(ids)) for ids in msg_ids.values()}) == n
+        resent = int(_sys(obs, "publish/sent") or 0) - int(_sys(obs, "forwarded/messages") or 0)
+        cloud_log = cloud.log()
+        taken = len(re.findall(rf"Received PUBLISH from {E2E_GW}-{E2E_LINK} \(d\d, q1, r0, m\d+, 'fleet/", cloud_log))
+        upstream_duplicates = taken - n
+        assert 0 <= upstream_duplicates <= resent
+        redelivered = len(re.findall(rf"Sending PUBLISH to {E2E_LANDER} \(d1, q1, r0, m\d+, 'fleet/", cloud_log))
+        assert redelivered > 0  # the cloud stopped while the lander had unacknowledged messages
+        assert len(lines) == n + upstream_duplicates + redelivered
+        days = sorted({dt.date.fromisoformat(json.loads(r["payload"])["gateway_time"][:10]) for r in lines})
+        check_cloud_side(spark, landing, tables, days[0], {(E2E_GW, E2E_DEVICE): sent},
+                         expected_duplicates=upstream_duplicates + redelivered, last=days[-1])  # fmt: skip
+    finally:
+        _stop_pid(sim)
+        if bridge is not None:
+            bridge.kill()
+        if observer is not None:
+            observer.close()
+        if lander is not None:
+            lander.kill()
+        cloud.cleanup()
