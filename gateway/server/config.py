@@ -162,13 +162,22 @@ def default_store_path() -> str:
     return "var"
 
 
-def _check_value(where: str, key: str, value: Any, errors: list[str]) -> Any:
-    kind, low, high, allowed = _LIMIT_KEYS[key]
+ValueSpec = tuple[str, float, float, str]  # kind (int, number, bool, duration, size), low, high, what is allowed
+
+
+def check_value(where: str, key: str, value: Any, errors: list[str], spec: ValueSpec) -> Any:
+    """The parsed value of ``where.key``, or ``None`` after appending one line to ``errors`` that names the key,
+    the value and what is allowed."""
+    kind, low, high, allowed = spec
     try:
         if kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError
             parsed: Any = value
+        elif kind == "number":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError
+            parsed = float(value)
         elif kind == "bool":
             if not isinstance(value, bool):
                 raise ValueError
@@ -277,7 +286,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
             elif key == "zone":
                 continue
             else:
-                parsed = _check_value(where, key, value, errors)
+                parsed = check_value(where, key, value, errors, _LIMIT_KEYS[key])
                 if parsed is not None:
                     setattr(limits, key, parsed)
         if bind is not None:

@@ -49,7 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.mqtt.topics import topic_filter_error, topic_name_error
-from gateway.server.config import parse_duration, parse_size
+from gateway.server.config import check_value
 
 ORDERS = ("backlog_first", "live_first")
 PROTOCOLS = {"5": 5, "5.0": 5, "3.1.1": 4}
@@ -173,27 +173,6 @@ def gateway_id_error(value: Any) -> str | None:
     return None
 
 
-def _numeric(where: str, key: str, value: Any, errors: list[str]) -> Any:
-    kind, low, high, allowed = _NUMERIC[key]
-    try:
-        if kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError
-            parsed: Any = value
-        elif kind == "number":
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError
-            parsed = float(value)
-        elif kind == "duration":
-            parsed = parse_duration(value)
-        else:
-            parsed = parse_size(value)
-        if not low <= parsed <= high:
-            raise ValueError
-    except ValueError:
-        errors.append(f"{where}.{key} = {value!r}: must be {allowed}")
-        return None
-    return parsed
 
 
 def _qos(where: str, value: Any, errors: list[str]) -> int:
@@ -363,7 +342,7 @@ def parse_upstreams(value: Any, gateway_id: str, errors: list[str]) -> list[Upst
                 cfg.order = table["order"]
         for key in _NUMERIC:
             if key in table:
-                parsed = _numeric(where, key, table[key], errors)
+                parsed = check_value(where, key, table[key], errors, _NUMERIC[key])
                 if parsed is not None:
                     setattr(cfg, key, int(parsed) if key == "keep_alive" else parsed)
         if cfg.backoff_max < cfg.backoff_initial:
