@@ -95,26 +95,8 @@ def raw() -> Iterator[Callable[..., RawClient]]:
 
 def closed(client: RawClient, timeout: float = 3.0) -> bool:
     """True when the server closes ``client``'s connection within ``timeout``; packets that arrive before the close
-    stay readable with ``client.recv()``. (Unlike ``RawClient.closed_by_server``, which re-reads its own pending
-    packets and so never sees the close when a packet came first.)"""
-    held, client._pending = client._pending, []
-    got: list[Packet] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                got.append(client.recv(left))
-            except ConnectionError:
-                return True
-            except TimeoutError:
-                return False
-            except OSError:
-                return True
-    finally:
-        client._pending = held + got
+    stay readable with ``client.recv()``."""
+    return client.closed_by_server(timeout)
 
 
 def subscribe(client: RawClient, topic_filter: str, qos: int = 2, packet_id: int = 1, **props: Any) -> None:

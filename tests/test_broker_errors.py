@@ -24,7 +24,6 @@ from helpers import BrokerProcess, RawClient
 from gateway.mqtt.packets import (
     Connect,
     Disconnect,
-    Packet,
     PingReq,
     PingResp,
     Publish,
@@ -68,26 +67,9 @@ def by_version(v311: bytes, v5: bytes) -> dict[int, bytes]:
 
 
 def closed(client: RawClient, timeout: float = 3.0) -> bool:
-    """True when the server closes ``client``'s connection within ``timeout``; packets received before the close
+    """True when the server closes ``client``'s connection within ``timeout``; packets that arrive before the close
     stay readable with ``client.recv()``."""
-    held, client._pending = client._pending, []
-    got: list[Packet] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                got.append(client.recv(left))
-            except ConnectionError:
-                return True
-            except TimeoutError:
-                return False
-            except OSError:
-                return True
-    finally:
-        client._pending = held + got
+    return client.closed_by_server(timeout)
 
 
 @pytest.fixture

@@ -102,24 +102,7 @@ def connected(raw: Raw, port: int, client_id: str, version: int = V5, clean: boo
 def closed(client: RawClient, timeout: float = 3.0) -> bool:
     """True when the server closes ``client``'s connection within ``timeout``; packets that arrive before the close
     stay readable with ``client.recv()``."""
-    held, client._pending = client._pending, []
-    got: list[Packet] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                got.append(client.recv(left))
-            except ConnectionError:
-                return True
-            except TimeoutError:
-                return False
-            except OSError:
-                return True
-    finally:
-        client._pending = held + got
+    return client.closed_by_server(timeout)
 
 
 def subscribe(client: RawClient, *subs: Subscription, packet_id: int = 1, codes: list[int] | None = None) -> None:
