@@ -36,6 +36,12 @@ Config file (TOML), e.g. /etc/edge-gateway/gateway.toml:
   sys_interval = "10s"            # $SYS/broker/... updates; 0 = off
   log_level = "info"              # debug, info, warning, error
 
+  [store]                         # LMDB: persistent sessions, queues, retained messages, upstream outbox
+  path = "/var/lib/edge-gateway/store"  # default $STATE_DIRECTORY/store under systemd, else ./var
+  max_size = "1GB"                # new QoS 1/2 work is refused before the store is full
+  mqueue_mem_len = 1000           # queued messages of a persistent session kept in memory; the rest
+                                  # wait only in the store and are read back as the queue drains
+
   [listeners.external]            # zone limits follow EMQX's names and defaults
   bind = "0.0.0.0:1883"           # "host:port" or a Unix socket path
   max_inflight = 32               # Inflight Window; an MQTT 5 Receive Maximum caps it

@@ -153,6 +153,9 @@ def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -
      "listeners.x.zone = 'dmz': must be one of external, internal"),
     ("[brokr]\n", "brokr: unknown section; allowed: broker, listeners, store, upstream"),
     ("[broker]\nlog_level = \"verbose\"\n", "broker.log_level = 'verbose': must be one of debug, info, warning, error"),
+    ("[store]\nmqueue_mem_len = -1\n",
+     "store.mqueue_mem_len = -1: must be an integer >= 0 (queued messages of a persistent session kept in memory; "
+     "the rest wait only in the store; 0 = all in memory)"),
     ("[listeners.x\n", None),
 ])
 def test_check_config_each_mistake_is_explained(tmp_path: Path, text: str, error: str | None) -> None:

@@ -394,7 +394,12 @@ class Broker:
             session.mqueue.max_bytes = limits.max_mqueue_bytes
         if session.persistent:
             self.store.session_saved(session)
+            if session.mqueue.pager is None:
+                paging = self.store.pager(client_id)
+                if paging is not None:
+                    session.mqueue.enable_paging(*paging)
         elif was_persistent:
+            session.mqueue.page_in_all()  # its store rows go now; the queue lives on in memory
             self.store.session_deleted(client_id)
 
         conn.session = session
@@ -702,9 +707,9 @@ class Broker:
             self.stats.dropped["store_full_qos0"] += 1
             return
         mqueue = session.mqueue
-        victim = mqueue.push(delivery)
         if persistent and (delivery.qos or session.limits.mqueue_store_qos0):
-            self.store.delivery_saved(session.client_id, delivery)
+            self.store.delivery_saved(session.client_id, delivery)  # first: a stored entry may be paged out
+        victim = mqueue.push(delivery)
         if victim is not None:
             self._queue_drop(session, victim, "mqueue_full", f"max_mqueue_len={mqueue.max_len}")
         while mqueue.over_quota():

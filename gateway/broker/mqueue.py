@@ -1,30 +1,53 @@
-"""The Message Queue of one session (seeds 000-002, DESIGN.md §3).
+"""The Message Queue of one session (seeds 000-002, DESIGN.md §3), with paging to the store.
 
 Messages wait here, FIFO, while the Inflight Window is full or the client is offline. ``max_len`` bounds it
 (0 = no limit); when full, the new message is still queued and the oldest is dropped, a QoS 0 message first
 if the queue holds any ("If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first",
 seed 002). Dropping is O(1): QoS 0 entries are also indexed in their own FIFO and removed lazily.
+
+Paging (persistent sessions on a store that offers a :class:`~gateway.broker.store.QueuePager`): a queue already
+holding ``mem_len`` entries in memory keeps further entries only in the store once their rows are committed, and
+reads them back in batches as it drains. In FIFO order the queue is then three parts::
+
+    head (in memory)  |  paged (in the store only: a count, a byte total, QoS 0 seqs)  |  tail (in memory)
+
+The tail holds entries whose rows are not committed yet (they move into the paged part as commits land) and
+entries that are not stored at all. Memory per paged entry is nothing, or 2 small ints for QoS 0.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from gateway.broker.message import Delivery
+from gateway.broker.message import Delivery, Message
+
+if TYPE_CHECKING:
+    from gateway.broker.store import QueuePager
+
+log = logging.getLogger("gateway.broker")
+
+#: The message of a stand-in Delivery for a paged QoS 0 entry dropped without reading it back.
+_PAGED_OUT = Message(0, "", b"", 0, False, {}, 0.0)
 
 
 class MessageQueue:
-    """A bounded FIFO of :class:`Delivery` with the EMQX drop policy.
+    """A bounded FIFO of :class:`Delivery` with the EMQX drop policy, optionally paged to the store.
 
     Attributes:
         max_len: length limit in messages; 0 = no limit.
         max_bytes: payload bytes the queue may hold (a per-client quota); 0 = no limit. Enforced by the owner
             through :meth:`over_quota` and :meth:`drop_oldest`, with the same policy.
-        bytes: payload bytes of the entries held.
+        bytes: payload bytes of the entries held (paged ones included).
+        pager: reads paged entries back from the store, or ``None`` (no paging).
+        mem_len: entries kept in memory before paging starts, messages (with a pager).
+        paged: entries held only in the store.
     """
 
-    __slots__ = ("_items", "_len", "_qos0", "bytes", "max_bytes", "max_len")
+    __slots__ = ("_gone", "_items", "_len", "_page_hi", "_page_lo", "_paged_bytes", "_paged_qos0", "_qos0", "_tail",
+                 "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged", "pager")
 
     def __init__(self, max_len: int = 1000, max_bytes: int = 0) -> None:
         self.max_len = max_len
@@ -33,6 +56,16 @@ class MessageQueue:
         self._items: deque[Delivery] = deque()
         self._qos0: deque[Delivery] = deque()
         self._len = 0
+        self.pager: QueuePager | None = None
+        self.mem_len = 0
+        self.paged = 0
+        self._paged_bytes = 0
+        self._paged_qos0: deque[tuple[int, int]] = deque()  # (seq, payload bytes) of paged QoS 0 entries
+        self._page_lo = 0  # paged entries have lo < seq <= hi
+        self._page_hi = 0
+        self._gone: set[int] = set()  # paged seqs dropped whose row deletion may not be committed yet
+        self._tail: deque[Delivery] = deque()
+        self._tail_qos0: deque[Delivery] = deque()
 
     def __len__(self) -> int:
         return self._len
@@ -41,19 +74,98 @@ class MessageQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[Delivery]:
-        return (d for d in self._items if not d.dropped)
+        """Every live entry in order; the paged part is read back from the store (for tools and tests)."""
+        yield from (d for d in self._items if not d.dropped)
+        if self.paged and self.pager is not None:
+            rows = self.pager.read(self._page_lo, self._page_hi, self.paged + len(self._gone))
+            yield from (d for d in rows if d.seq not in self._gone)
+        yield from (d for d in self._tail if not d.dropped)
+
+    def enable_paging(self, pager: QueuePager, mem_len: int) -> None:
+        """Page entries beyond ``mem_len`` in memory through ``pager`` (``mem_len`` 0: no paging)."""
+        if mem_len > 0:
+            self.pager = pager
+            self.mem_len = mem_len
 
     def push(self, delivery: Delivery) -> Delivery | None:
-        """Append ``delivery``; return the entry dropped to make room, or ``None``."""
+        """Append ``delivery``; return the entry dropped to make room, or ``None``.
+
+        With paging on, a stored entry (``seq`` set) joins the tail once the in-memory head holds ``mem_len``
+        entries, and leaves memory when its row is committed."""
         victim = None
         if self.max_len and self._len >= self.max_len:
             victim = self._drop_one()
+        if self._tail or self.paged or (self.pager is not None and delivery.seq
+                                        and len(self._items) >= self.mem_len):
+            self._tail.append(delivery)
+            if delivery.qos == 0:
+                self._tail_qos0.append(delivery)
+            self._len += 1
+            self.bytes += len(delivery.message.payload)
+            self.page_out()
+            return victim
         self._items.append(delivery)
         if delivery.qos == 0:
             self._qos0.append(delivery)
         self._len += 1
         self.bytes += len(delivery.message.payload)
         return victim
+
+    def page_out(self) -> None:
+        """Move tail entries whose store rows are committed into the paged part (in order; an entry that is
+        not stored, or not committed yet, stops it)."""
+        pager = self.pager
+        tail = self._tail
+        if pager is None or not tail:
+            return
+        committed = pager.committed_seq()
+        while tail:
+            entry = tail[0]
+            if entry.dropped:
+                tail.popleft()
+                if entry.seq:
+                    self._gone.add(entry.seq)  # its row may outlive it until the delete commits
+                continue
+            seq = entry.seq
+            if not seq or seq > committed:
+                break
+            tail.popleft()
+            size = len(entry.message.payload)
+            if not self.paged:
+                self._page_lo = seq - 1
+            self.paged += 1
+            self._paged_bytes += size
+            self._page_hi = seq
+            if entry.qos == 0:
+                tail_qos0 = self._tail_qos0
+                while tail_qos0 and (tail_qos0[0].dropped or tail_qos0[0] is entry):
+                    tail_qos0.popleft()
+                self._paged_qos0.append((seq, size))
+
+    def add_paged(self, seq: int, qos: int, size: int) -> None:
+        """Account a stored entry that stays in the store (queue rows read back on start, in seq order);
+        ``size`` is its payload length in bytes."""
+        if not self.paged:
+            self._page_lo = seq - 1
+        self.paged += 1
+        self._paged_bytes += size
+        self._page_hi = seq
+        self._len += 1
+        self.bytes += size
+        if qos == 0:
+            self._paged_qos0.append((seq, size))
+
+    def page_in_all(self) -> None:
+        """Read every paged entry back into memory and stop paging (before the store rows go away: a session
+        that stops being persistent keeps its queue in memory only)."""
+        while self.paged:
+            if not self._read_paged(max(self.paged, 1)):
+                break
+        self._items.extend(self._tail)
+        self._qos0.extend(self._tail_qos0)
+        self._tail.clear()
+        self._tail_qos0.clear()
+        self.pager = None
 
     def over_quota(self) -> bool:
         """True while the queue holds more than ``max_bytes`` payload bytes (and more than one entry)."""
@@ -73,22 +185,83 @@ class MessageQueue:
         self.bytes += len(delivery.message.payload)
 
     def _drop_one(self) -> Delivery:
-        qos0 = self._qos0
-        while qos0:
-            entry = qos0.popleft()
-            if not entry.dropped:
-                entry.dropped = True
-                self._len -= 1
-                self.bytes -= len(entry.message.payload)
-                return entry
+        # The oldest QoS 0 entry: head first, then the paged part, then the tail (FIFO order of the three).
+        for qos0 in (self._qos0, None, self._tail_qos0):
+            if qos0 is None:
+                if self._paged_qos0:
+                    seq, size = self._paged_qos0.popleft()
+                    self._gone.add(seq)
+                    self.paged -= 1
+                    self._paged_bytes -= size
+                    self._len -= 1
+                    self.bytes -= size
+                    return Delivery(_PAGED_OUT, 0, seq=seq, dropped=True)
+                continue
+            while qos0:
+                entry = qos0.popleft()
+                if not entry.dropped:
+                    entry.dropped = True
+                    self._len -= 1
+                    self.bytes -= len(entry.message.payload)
+                    return entry
         entry = self.pop()
         entry.dropped = True
         return entry
 
+    def _read_paged(self, limit: int) -> int:
+        """Append up to ``limit`` paged entries to the head; returns how many rows were read."""
+        assert self.pager is not None
+        rows = self.pager.read(self._page_lo, self._page_hi, limit)
+        gone = self._gone
+        items = self._items
+        for entry in rows:
+            seq = entry.seq
+            self._page_lo = seq
+            if seq in gone:
+                gone.discard(seq)
+                continue
+            items.append(entry)
+            if entry.qos == 0:
+                self._qos0.append(entry)
+            size = len(entry.message.payload)
+            self.paged -= 1
+            self._paged_bytes -= size
+        paged_qos0 = self._paged_qos0
+        while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
+            paged_qos0.popleft()
+        if len(rows) < limit or self._page_lo >= self._page_hi:
+            if self.paged:
+                # Rows that never reached the store (their commit failed: nothing of theirs was acknowledged).
+                log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
+                self._len -= self.paged
+                self.bytes -= self._paged_bytes
+                paged_qos0.clear()
+                self.paged = 0
+                self._paged_bytes = 0
+        if gone:
+            self._gone = {s for s in gone if s > self._page_lo}
+        return len(rows)
+
+    def _fill(self) -> None:
+        """The head is empty: read the next batch of paged entries, or make the tail the head."""
+        batch = max(1, min(512, self.mem_len // 2))
+        while self.paged and not self._items:
+            if not self._read_paged(batch):
+                break
+        if not self._items and not self.paged and self._tail:
+            self._items, self._tail = self._tail, self._items
+            self._qos0, self._tail_qos0 = self._tail_qos0, self._qos0
+            self._gone.clear()  # a later paged range starts above every seq seen so far
+
     def pop(self) -> Delivery:
         """Remove and return the oldest entry. Raises ``IndexError`` when empty."""
-        items = self._items
         while True:
+            items = self._items
+            if not items:
+                self._fill()
+                items = self._items
+                if not items:
+                    raise IndexError("pop from an empty Message Queue")
             entry = items.popleft()
             if not entry.dropped:
                 self._len -= 1
@@ -102,26 +275,45 @@ class MessageQueue:
 
     def peek(self) -> Delivery | None:
         """The oldest entry without removing it, or ``None``."""
-        items = self._items
-        while items and items[0].dropped:
-            items.popleft()
-        return items[0] if items else None
+        while True:
+            items = self._items
+            while items and items[0].dropped:
+                items.popleft()
+            if items:
+                return items[0]
+            if not self._len:
+                return None
+            self._fill()
+            if not self._items:
+                return None
 
     def remove_if(self, predicate: Callable[[Delivery], bool]) -> list[Delivery]:
-        """Drop every entry for which ``predicate(entry)`` is true (e.g. expired); return them in order."""
-        removed = [d for d in self._items if not d.dropped and predicate(d)]
+        """Drop every in-memory entry for which ``predicate(entry)`` is true (e.g. expired); return them in order.
+        Paged entries are not read back for this: the broker checks them as they are paged in."""
+        removed = [d for part in (self._items, self._tail) for d in part if not d.dropped and predicate(d)]
         for entry in removed:
             entry.dropped = True
             self._len -= 1
             self.bytes -= len(entry.message.payload)
+        for entry in self._tail:
+            if entry.dropped and entry.seq:
+                self._gone.add(entry.seq)  # later tail entries may be paged past its row
         if removed:
             self._items = deque(d for d in self._items if not d.dropped)
             self._qos0 = deque(d for d in self._qos0 if not d.dropped)
+            self._tail = deque(d for d in self._tail if not d.dropped)
+            self._tail_qos0 = deque(d for d in self._tail_qos0 if not d.dropped)
         return removed
 
     def clear(self) -> None:
-        """Drop everything."""
+        """Drop everything (the store rows are the owner's to delete)."""
         self._items.clear()
         self._qos0.clear()
+        self._tail.clear()
+        self._tail_qos0.clear()
+        self._paged_qos0.clear()
+        self._gone.clear()
+        self.paged = 0
+        self._paged_bytes = 0
         self._len = 0
         self.bytes = 0

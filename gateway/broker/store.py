@@ -48,6 +48,21 @@ class OutboxRecord:
     topic: str
 
 
+class QueuePager(Protocol):
+    """Reads back the committed Message Queue rows of one persistent session (queue paging, see
+    :mod:`gateway.broker.mqueue`). Called on the event loop; reads never wait for the writer."""
+
+    def committed_seq(self) -> int:
+        """The highest store sequence number whose queue row is committed (or was committed and later deleted)."""
+        ...
+
+    def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
+        """Up to ``limit`` committed queue rows with ``after < seq <= upto``, in order, as Deliveries (``seq``
+        set, message read back). Rows deleted since are absent; rows whose deletion is not committed yet are
+        still returned (the queue skips them)."""
+        ...
+
+
 class SessionStore(Protocol):
     """Durable state hooks. Every method records a change; nothing is durable until a commit."""
 
@@ -97,6 +112,11 @@ class SessionStore(Protocol):
 
     def when_durable(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once everything recorded so far is committed (FIFO with other callbacks)."""
+        ...
+
+    def pager(self, client_id: str) -> tuple[QueuePager, int] | None:
+        """How ``client_id``'s Message Queue may page to the store: ``(pager, mem_len)`` (entries kept in
+        memory, messages), or ``None`` when this store does not page."""
         ...
 
     def has_room(self, client_id: str | None) -> bool:
@@ -166,6 +186,9 @@ class MemoryStore:
 
     def when_durable(self, callback: Callable[[], None]) -> None:
         callback()
+
+    def pager(self, client_id: str) -> tuple[QueuePager, int] | None:
+        return None
 
     def has_room(self, client_id: str | None) -> bool:
         return True

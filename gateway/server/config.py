@@ -148,7 +148,7 @@ _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id"}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
-_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit"}
+_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit", "mqueue_mem_len"}
 
 
 def default_store_path() -> str:
@@ -338,6 +338,13 @@ def _load_store(cfg: GatewayConfig, table: Any, errors: list[str]) -> None:
                               "message, for benchmarks)")
             else:
                 cfg.store.group_commit = value
+        elif key == "mqueue_mem_len":
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 2**31:
+                errors.append(f"store.mqueue_mem_len = {value!r}: must be an integer >= 0 (queued messages of a "
+                              "persistent session kept in memory; the rest wait only in the store; 0 = all in "
+                              "memory)")
+            else:
+                cfg.store.mqueue_mem_len = value
         elif key == "on_corrupt":
             if value not in ("quarantine", "refuse"):
                 errors.append(f'store.on_corrupt = {value!r}: must be "quarantine" or "refuse"')

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
@@ -20,7 +21,9 @@ from gateway.server.config import GatewayConfig
 from gateway.server.notify import SystemdNotify, install_debug_hang
 from gateway.server.protocol import BrokerIO, MQTTProtocol
 from gateway.store.lmdb_store import LmdbStore
-from gateway.upstream import UpstreamBridge
+
+if TYPE_CHECKING:
+    from gateway.upstream import UpstreamBridge
 
 log = logging.getLogger("gateway.server")
 
@@ -51,8 +54,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     io = BrokerIO(broker, loop)
     if lmdb_store is not None:
         lmdb_store.attach(loop, io.schedule_flush)
-    upstream = UpstreamBridge(config.upstreams, broker, io.schedule_flush)
-    upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
+    upstream: UpstreamBridge | None = None
+    if config.upstreams:
+        # Imported only when configured: aiomqtt, paho and ssl cost ~5 MiB of RSS on a broker without uplinks.
+        from gateway.upstream import UpstreamBridge
+
+        upstream = UpstreamBridge(config.upstreams, broker, io.schedule_flush)
+        upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
     servers: list[asyncio.base_events.Server] = []
     try:
         for listener in config.listeners:
@@ -88,7 +96,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     io.start_ticker()
-    upstream.start()
+    if upstream is not None:
+        upstream.start()
     install_debug_hang(loop, lmdb_store)
     notify = SystemdNotify(broker, io, lmdb_store, len(servers), upstream)
     notify.ready()  # READY=1, then STATUS= and WATCHDOG=1 pings while healthy (gateway/server/notify.py)
@@ -102,7 +111,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         for server in servers:
             server.close()
         await io.stop_ticker()
-        await upstream.stop()
+        if upstream is not None:
+            await upstream.stop()
         broker.shutdown(time.time())
         io.flush()
         # Let the transports write their last bytes (DISCONNECT 0x8B) before the loop ends.

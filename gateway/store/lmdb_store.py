@@ -6,8 +6,11 @@
   is busy share one transaction (group commit). LMDB's default ``sync``/``metasync`` stay on.
 - ``when_durable`` callbacks (PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK) run on the loop, in order, once the
   batch holding everything recorded before them is committed.
-- Payloads are stored once (``messages``) and reference-counted by queue, inbound and retained rows; the counts
-  live on the writer thread and are rebuilt on open.
+- Payloads are stored once (``messages``) and reference-counted by queue, inbound, retained and outbox rows; the
+  counts of messages referenced more than once live on the writer thread (a message row alone means one
+  reference, so a backlog costs no memory per message) and are rebuilt on open.
+- Message Queues of persistent sessions page: beyond ``mqueue_mem_len`` entries in memory, queued messages stay only
+  in the store and are read back on the loop (a read transaction) as the queue drains (:class:`LmdbPager`).
 - The map grows up to ``max_size``; new durable work is refused (``has_room`` is False) once the data reaches
   ``max_size`` minus a headroom, so deletes and already-acknowledged work always fit.
 """
@@ -66,6 +69,8 @@ class StoreSettings:
         on_corrupt: ``"quarantine"`` (move aside, start empty) or ``"refuse"`` (raise :class:`StoreError`).
         group_commit: False commits every acknowledged unit of work alone (one fsync per message): only for
             measuring what group commit buys (``bench/durable.py``).
+        mqueue_mem_len: queued messages of a persistent session kept in memory; the rest wait only in the
+            store and are paged in as the queue drains (0 = all in memory).
     """
 
     path: str = "var"
@@ -73,6 +78,48 @@ class StoreSettings:
     commit_interval: float = 0.0
     on_corrupt: str = "quarantine"
     group_commit: bool = True
+    mqueue_mem_len: int = 1000
+
+
+class LmdbPager:
+    """The :class:`~gateway.broker.store.QueuePager` of one session: reads its committed queue rows."""
+
+    __slots__ = ("prefix", "store")
+
+    def __init__(self, store: LmdbStore, client_id: str) -> None:
+        self.store = store
+        self.prefix = rec.client_prefix(client_id)
+
+    def committed_seq(self) -> int:
+        return self.store.committed_seq
+
+    def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
+        store = self.store
+        assert store.env is not None
+        prefix = self.prefix
+        start = len(prefix)
+        out: list[Delivery] = []
+        _meta, messages, _s, _subs, queue_db, *_ = store.dbs
+        with store.map_lock, store.env.begin() as txn:
+            cursor = txn.cursor(db=queue_db)
+            if not cursor.set_range(prefix + rec.u64(after + 1)):
+                return out
+            for key, value in cursor.iternext():
+                if not key.startswith(prefix):
+                    break
+                seq = rec.from_u64(key, start)
+                if seq > upto:
+                    break
+                mid, delivery = rec.decode_delivery(value)
+                raw = txn.get(rec.u64(mid), db=messages)
+                if raw is None:
+                    continue
+                delivery.message = rec.decode_message(mid, raw)
+                delivery.seq = seq
+                out.append(delivery)
+                if len(out) >= limit:
+                    break
+        return out
 
 
 class LmdbStore:
@@ -98,8 +145,12 @@ class LmdbStore:
         self._submit_scheduled = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._writer: threading.Thread | None = None
-        self._refs: dict[int, int] = {}
-        self._undo: list[tuple[int, int]] = []
+        self._refs: dict[int, int] = {}  # mid -> references, for messages referenced more than once
+        self._undo: list[tuple[int, int | None]] = []
+        self._last_put_mid = 0
+        self.committed_seq = 0  # every queue row with a seq <= this was committed
+        self.map_lock = threading.Lock()  # no read transaction may be open while the writer resizes the map
+        self._inflight_seq: deque[int] = deque()
         self._seq = 1
         self._next_mid_hint = 1
         self._outbox_loaded: dict[str, list[OutboxRecord]] = {}
@@ -184,12 +235,13 @@ class LmdbStore:
         sessions: dict[str, Session] = {}
         expired_sessions: list[str] = []
         refs: dict[int, int] = {}
+        mem_len = self.settings.mqueue_mem_len
         with self.env.begin() as txn:
             version = txn.get(b"format", db=meta)
             if version is not None and int(version) != rec.FORMAT_VERSION:
                 raise ValueError(f"unknown store format {version!r}")
             next_mid = txn.get(b"next_mid", db=meta)
-            seq = txn.get(b"next_seq", db=meta)
+            next_seq = txn.get(b"next_seq", db=meta)
             for key, value in txn.cursor(db=sessions_db):
                 cid = bytes(key).decode("utf-8")
                 session = Session(cid, self.limits_for())
@@ -198,6 +250,7 @@ class LmdbStore:
                     expired_sessions.append(cid)
                     continue
                 sessions[cid] = session
+                session.mqueue.enable_paging(LmdbPager(self, cid), mem_len)
             cache: dict[int, Message | None] = {}
 
             def message(mid: int) -> Message | None:
@@ -220,6 +273,16 @@ class LmdbStore:
                     expired_rows.append(bytes(key))
                     continue
                 mid, delivery = rec.decode_delivery(bytes(value))
+                mqueue = session.mqueue
+                if not delivery.packet_id and (mqueue.paged or (mem_len and len(mqueue) >= mem_len)):
+                    # Beyond the in-memory part of the queue: account it, leave it in the store.
+                    raw = txn.get(rec.u64(mid), db=messages)
+                    if raw is None or (delivery.expires_at is not None and now >= delivery.expires_at):
+                        expired_rows.append(bytes(key))
+                        continue
+                    mqueue.add_paged(rec.from_u64(rest), delivery.qos, rec.payload_length(raw))
+                    refs[mid] = refs.get(mid, 0) + 1
+                    continue
                 msg = message(mid)
                 if msg is None or (delivery.expires_at is not None and now >= delivery.expires_at
                                    and not delivery.packet_id):
@@ -265,9 +328,10 @@ class LmdbStore:
                 outbox.setdefault(link, []).append(OutboxRecord(rec.from_u64(rest), msg, qos, topic))
                 refs[mid] = refs.get(mid, 0) + 1
             orphans = [bytes(k) for k, _ in txn.cursor(db=messages) if rec.from_u64(bytes(k)) not in refs]
-        self._refs = refs
+        self._refs = {mid: count for mid, count in refs.items() if count > 1}
         self._outbox_loaded = outbox
-        self._seq = int(seq) if seq is not None else 1
+        self._seq = int(next_seq) if next_seq is not None else 1
+        self.committed_seq = self._seq - 1
         state.next_mid = int(next_mid) if next_mid is not None else 1
         state.sessions = list(sessions.values())
         self.expired_on_load = len(expired_sessions), len(expired_rows) + len(expired_retained)
@@ -331,20 +395,31 @@ class LmdbStore:
 
     def _ref(self, txn: Any, message: Message) -> None:
         mid = message.mid
-        count = self._refs.get(mid, 0)
-        self._undo.append((mid, count))
-        if not count:
-            txn.put(rec.u64(mid), rec.encode_message(message), db=self.dbs[1])
-        self._refs[mid] = count + 1
+        refs = self._refs
+        count = refs.get(mid)
+        if count is None:
+            # One reference or none: the message row tells (a put that finds it reports False).
+            if mid != self._last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.dbs[1],
+                                                     overwrite=False):
+                self._last_put_mid = mid
+                return
+            count = 1
+        self._undo.append((mid, refs.get(mid)))
+        refs[mid] = count + 1
 
     def _unref(self, txn: Any, mid: int) -> None:
-        count = self._refs.get(mid, 0) - 1
-        self._undo.append((mid, count + 1))
-        if count <= 0:
-            self._refs.pop(mid, None)
+        refs = self._refs
+        count = refs.get(mid)
+        if count is None:
             txn.delete(rec.u64(mid), db=self.dbs[1])
+            if mid == self._last_put_mid:
+                self._last_put_mid = 0
+            return
+        self._undo.append((mid, count))
+        if count <= 2:
+            del refs[mid]
         else:
-            self._refs[mid] = count
+            refs[mid] = count - 1
 
     def _apply(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
         dbs = self.dbs
@@ -356,8 +431,9 @@ class LmdbStore:
                     self._ref(txn, message)
                 txn.put(key, value, db=dbs[4])
             elif kind == _Q_DEL:
-                if txn.delete(op[1], db=dbs[4]):
-                    self._unref(txn, op[2])
+                value = txn.pop(op[1], db=dbs[4])
+                if value is not None:
+                    self._unref(txn, rec.from_u64(value))
             elif kind == _PUT:
                 txn.put(op[2], op[3], db=dbs[op[1]])
             elif kind == _DEL:
@@ -428,6 +504,7 @@ class LmdbStore:
         assert self.env is not None
         while True:
             self._undo = []  # reference counts before this attempt, to roll back with the transaction
+            self._last_put_mid = 0
             try:
                 with self.env.begin(write=True) as txn:
                     self._apply(txn, ops)
@@ -441,7 +518,8 @@ class LmdbStore:
                     self.last_write_failed = True
                     return False
                 new_size = min(self.settings.max_size, self.map_size * 2)
-                self.env.set_mapsize(new_size)
+                with self.map_lock:
+                    self.env.set_mapsize(new_size)
                 self.map_size = new_size
                 log.info("store: map grown to %d bytes", new_size)
             except lmdb.Error as exc:
@@ -458,11 +536,12 @@ class LmdbStore:
     def _rollback_refs(self) -> None:
         refs = self._refs
         for mid, count in reversed(self._undo):
-            if count:
-                refs[mid] = count
-            else:
+            if count is None:
                 refs.pop(mid, None)
+            else:
+                refs[mid] = count
         self._undo = []
+        self._last_put_mid = 0
 
     def _update_used(self) -> None:
         assert self.env is not None
@@ -481,8 +560,10 @@ class LmdbStore:
             if not self._inflight:
                 break
             callbacks = self._inflight.popleft()
+            seq = self._inflight_seq.popleft()
             if not ok:
                 continue
+            self.committed_seq = seq
             for cb in callbacks:
                 ran = True
                 try:
@@ -503,6 +584,7 @@ class LmdbStore:
             ops, self._ops = self._ops, []
             cbs, self._cbs = self._cbs, []
             if self._commit(ops):
+                self.committed_seq = self._seq - 1
                 for cb in cbs:
                     cb()
         elif self.settings.commit_interval > 0:
@@ -523,6 +605,7 @@ class LmdbStore:
         if not self._inflight:
             self.waiting_since = time.monotonic()
         self._inflight.append(cbs)
+        self._inflight_seq.append(self._seq - 1)
         self._queue.put((ops, self._next_mid_hint, self._seq))
 
     # ------------------------------------------------------------------------------------------ SessionStore
@@ -560,7 +643,7 @@ class LmdbStore:
 
     def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
         if delivery.seq:
-            self._record((_Q_DEL, rec.client_prefix(client_id) + rec.u64(delivery.seq), delivery.message.mid))
+            self._record((_Q_DEL, rec.client_prefix(client_id) + rec.u64(delivery.seq)))
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)
@@ -586,6 +669,10 @@ class LmdbStore:
             self._inflight[-1].append(callback)
         else:
             callback()
+
+    def pager(self, client_id: str) -> tuple[LmdbPager, int] | None:
+        mem_len = self.settings.mqueue_mem_len
+        return (LmdbPager(self, client_id), mem_len) if mem_len > 0 else None
 
     def outbox_seq(self) -> int:
         seq = self._seq  # shared with queue rows; persisted as next_seq with every commit
@@ -614,6 +701,10 @@ class LmdbStore:
                       self.used_bytes, limit, headroom, self.refused)
         return False
 
+    def pending(self) -> bool:
+        """True while recorded changes or ``when_durable`` callbacks wait for a commit."""
+        return bool(self._ops or self._cbs or self._inflight)
+
     def healthy(self, max_age: float = 30.0) -> bool:
         """True while the writer thread is alive and not stuck on a batch (for the systemd watchdog)."""
         if self._writer is None or not self._writer.is_alive():
@@ -630,6 +721,7 @@ class LmdbStore:
             if self._ops:
                 ops, self._ops = self._ops, []
                 self._inflight.append(self._cbs)
+                self._inflight_seq.append(self._seq - 1)
                 self._cbs = []
                 self._queue.put((ops, self._next_mid_hint, self._seq))
             self._queue.put(None)

@@ -29,7 +29,7 @@ from gateway.broker.message import Delivery, Message
 from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import Session
 from gateway.mqtt.packets import PUBLISH, Will
-from gateway.mqtt.primitives import decode_binary, decode_string, encode_binary, encode_string
+from gateway.mqtt.primitives import decode_binary, decode_string, decode_vbi, encode_binary, encode_string
 from gateway.mqtt.properties import WILL, decode_properties, encode_properties
 
 FORMAT_VERSION = 1
@@ -93,6 +93,16 @@ def decode_message(mid: int, data: bytes) -> Message:
     props, pos = decode_properties(data, pos, PUBLISH)
     return Message(mid, topic, bytes(data[pos:]), qos, bool(flags & 1), props, received_at, _unopt(expires_at),
                    sender or None)
+
+
+def payload_length(data: bytes) -> int:
+    """The payload length (bytes) of a stored message record, without decoding it. Raises ``IndexError`` on a
+    damaged record."""
+    pos = _MSG.size
+    pos += 2 + int.from_bytes(data[pos:pos + 2], "big")  # topic
+    pos += 2 + int.from_bytes(data[pos:pos + 2], "big")  # sender
+    length, pos = decode_vbi(data, pos)  # Property Length
+    return len(data) - pos - length
 
 
 def encode_delivery(d: Delivery) -> bytes:
