@@ -229,15 +229,14 @@ class MessageQueue:
         paged_qos0 = self._paged_qos0
         while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
             paged_qos0.popleft()
-        if len(rows) < limit or self._page_lo >= self._page_hi:
-            if self.paged:
-                # Rows that never reached the store (their commit failed: nothing of theirs was acknowledged).
-                log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
-                self._len -= self.paged
-                self.bytes -= self._paged_bytes
-                paged_qos0.clear()
-                self.paged = 0
-                self._paged_bytes = 0
+        if (len(rows) < limit or self._page_lo >= self._page_hi) and self.paged:
+            # Rows that never reached the store (their commit failed: nothing of theirs was acknowledged).
+            log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
+            self._len -= self.paged
+            self.bytes -= self._paged_bytes
+            paged_qos0.clear()
+            self.paged = 0
+            self._paged_bytes = 0
         if gone:
             self._gone = {s for s in gone if s > self._page_lo}
         return len(rows)

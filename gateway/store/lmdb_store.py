@@ -110,11 +110,11 @@ class LmdbPager:
                 seq = rec.from_u64(key, start)
                 if seq > upto:
                     break
-                mid, delivery = rec.decode_delivery(value)
-                raw = txn.get(rec.u64(mid), db=messages)
+                mid = rec.from_u64(value)
+                raw = txn.get(value[:8], db=messages)  # the record starts with the mid, as the key is made
                 if raw is None:
                     continue
-                delivery.message = rec.decode_message(mid, raw)
+                _mid, delivery = rec.decode_delivery(value, rec.decode_message(mid, raw))
                 delivery.seq = seq
                 out.append(delivery)
                 if len(out) >= limit:

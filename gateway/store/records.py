@@ -30,7 +30,7 @@ from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import Session
 from gateway.mqtt.packets import PUBLISH, Will
 from gateway.mqtt.primitives import decode_binary, decode_string, decode_vbi, encode_binary, encode_string
-from gateway.mqtt.properties import WILL, decode_properties, encode_properties
+from gateway.mqtt.properties import NO_PROPERTIES, WILL, decode_properties, encode_properties
 
 FORMAT_VERSION = 1
 
@@ -41,6 +41,7 @@ _SUB = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0
 _INB = struct.Struct("!Qd")
 _OUT = struct.Struct("!QB")  # mid, qos (then the remote topic)
 _U64 = struct.Struct("!Q")
+_U16 = struct.Struct("!H")
 _NONE = -1.0
 
 
@@ -85,14 +86,25 @@ def encode_message(m: Message) -> bytes:
 
 
 def decode_message(mid: int, data: bytes) -> Message:
-    """Inverse of :func:`encode_message`. Raises ``MalformedPacket``/``struct.error`` on a damaged record."""
+    """Inverse of :func:`encode_message` (on the paths that page queues back in: no re-validation of what
+    :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/``UnicodeDecodeError`` on a damaged
+    record."""
     qos, flags, received_at, expires_at = _MSG.unpack_from(data, 0)
     pos = _MSG.size
-    topic, pos = decode_string(data, pos)
-    sender, pos = decode_string(data, pos)
-    props, pos = decode_properties(data, pos, PUBLISH)
+    (n,) = _U16.unpack_from(data, pos)
+    pos += 2
+    topic = str(data[pos:pos + n], "utf-8")
+    pos += n
+    (n,) = _U16.unpack_from(data, pos)
+    pos += 2
+    sender = str(data[pos:pos + n], "utf-8") if n else None
+    pos += n
+    if data[pos] == 0:
+        props, pos = NO_PROPERTIES, pos + 1
+    else:
+        props, pos = decode_properties(data, pos, PUBLISH)
     return Message(mid, topic, bytes(data[pos:]), qos, bool(flags & 1), props, received_at, _unopt(expires_at),
-                   sender or None)
+                   sender)
 
 
 def payload_length(data: bytes) -> int:
@@ -114,12 +126,14 @@ def encode_delivery(d: Delivery) -> bytes:
     return head + struct.pack(f"!{len(d.sub_ids)}I", *d.sub_ids)
 
 
-def decode_delivery(data: bytes) -> tuple[int, Delivery]:
-    """``(mid, delivery)``; the delivery's ``message`` is a placeholder until the caller links it."""
+def decode_delivery(data: bytes, message: Message | None = None) -> tuple[int, Delivery]:
+    """``(mid, delivery)`` of :func:`encode_delivery`'s record; the delivery's ``message`` is ``message`` or a
+    placeholder until the caller links it."""
     mid, qos, retain, packet_id, state, expires_at, n = _DEL.unpack_from(data, 0)
     sub_ids = list(struct.unpack_from(f"!{n}I", data, _DEL.size)) if n else NO_IDS
-    placeholder = Message(mid, "", b"", 0, False, {}, 0.0)
-    return mid, Delivery(placeholder, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at))
+    if message is None:
+        message = Message(mid, "", b"", 0, False, NO_PROPERTIES, 0.0)
+    return mid, Delivery(message, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at))
 
 
 def encode_will(will: Will | None) -> bytes:
