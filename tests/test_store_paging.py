@@ -32,7 +32,7 @@ from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.session import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
-from gateway.store.lmdb_store import LmdbStore, StoreSettings
+from gateway.store.lmdb_store import LmdbStore, StoreSettings, _drop_superseded
 
 
 class PagedSession:
@@ -354,3 +354,25 @@ def test_store_rows_freed_after_paged_drain(paging_broker: BrokerProcess) -> Non
     finally:
         env.close()
     assert (queue_rows, message_rows) == (0, 0)
+
+
+def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(tmp_path: Path) -> None:
+    """Group commit: a send's Packet Identifier update whose row the same transaction deletes (PUBACK before the
+    commit) is not written; the committed state is the same: the row and its message are gone, others stay."""
+    paged = PagedSession(tmp_path / "store", 0, 100)
+    try:
+        for tag in (1, 2):
+            paged.push(tag, 1)
+        paged.commit()
+        first, second = paged.session.mqueue.pop(), paged.session.mqueue.pop()
+        for delivery, pid in ((first, 1), (second, 2)):
+            delivery.packet_id = pid
+            paged.store.delivery_saved("sub", delivery)  # in flight: the update a send records
+        updates = list(paged.store._ops)
+        paged.store.delivery_deleted("sub", first)  # first acknowledged before anything was committed
+        ops = _drop_superseded([*updates, *paged.store._ops[len(updates):]])
+        assert [op[1] for op in ops] == [updates[1][1], updates[0][1]]  # second's update, first's delete
+        paged.commit()
+        assert paged.rows() == (1, 1)
+    finally:
+        paged.close()

@@ -81,6 +81,15 @@ class StoreSettings:
     mqueue_mem_len: int = 1000
 
 
+def _drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Leave out queue-row updates (a Packet Identifier recorded for a send) whose row the same transaction
+    deletes anyway (the PUBACK came before the commit): the committed state is the same, with fewer writes."""
+    deleted = {op[1] for op in ops if op[0] == _Q_DEL}
+    if not deleted:
+        return ops
+    return [op for op in ops if op[0] != _Q_PUT or op[3] is not None or op[1] not in deleted]
+
+
 class LmdbPager:
     """The :class:`~gateway.broker.store.QueuePager` of one session: reads its committed queue rows."""
 
@@ -488,6 +497,8 @@ class LmdbStore:
                     break
                 batches.append(more)
             ops = [op for batch in batches for op in batch[0]]
+            if len(batches) > 1:
+                ops = _drop_superseded(ops)
             ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
             ok = self._commit(ops)
