@@ -31,6 +31,9 @@ log = logging.getLogger("gateway.broker")
 
 #: The message of a stand-in Delivery for a paged QoS 0 entry dropped without reading it back.
 _PAGED_OUT = Message(0, "", b"", 0, False, {}, 0.0)
+#: Stands for an empty deque until the first entry (a deque costs ~760 bytes; most sessions never queue).
+_NONE: tuple[()] = ()
+_NO_SEQS: frozenset[int] = frozenset()
 
 
 class MessageQueue:
@@ -53,19 +56,19 @@ class MessageQueue:
         self.max_len = max_len
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: deque[Delivery] = deque()
-        self._qos0: deque[Delivery] = deque()
+        self._items: deque[Delivery] | tuple[()] = _NONE
+        self._qos0: deque[Delivery] | tuple[()] = _NONE
         self._len = 0
         self.pager: QueuePager | None = None
         self.mem_len = 0
         self.paged = 0
         self._paged_bytes = 0
-        self._paged_qos0: deque[tuple[int, int]] = deque()  # (seq, payload bytes) of paged QoS 0 entries
+        self._paged_qos0: deque[tuple[int, int]] | tuple[()] = _NONE  # (seq, payload bytes) of paged QoS 0
         self._page_lo = 0  # paged entries have lo < seq <= hi
         self._page_hi = 0
-        self._gone: set[int] = set()  # paged seqs dropped whose row deletion may not be committed yet
-        self._tail: deque[Delivery] = deque()
-        self._tail_qos0: deque[Delivery] = deque()
+        self._gone: set[int] | frozenset[int] = _NO_SEQS  # dropped paged seqs whose delete may not be committed
+        self._tail: deque[Delivery] | tuple[()] = _NONE
+        self._tail_qos0: deque[Delivery] | tuple[()] = _NONE
 
     def __len__(self) -> int:
         return self._len
@@ -97,19 +100,46 @@ class MessageQueue:
             victim = self._drop_one()
         if self._tail or self.paged or (self.pager is not None and delivery.seq
                                         and len(self._items) >= self.mem_len):
-            self._tail.append(delivery)
+            tail = self._tail
+            if type(tail) is tuple:
+                tail = self._tail = deque()
+            tail.append(delivery)
             if delivery.qos == 0:
-                self._tail_qos0.append(delivery)
+                tail_qos0 = self._tail_qos0
+                if type(tail_qos0) is tuple:
+                    tail_qos0 = self._tail_qos0 = deque()
+                tail_qos0.append(delivery)
             self._len += 1
             self.bytes += len(delivery.message.payload)
             self.page_out()
             return victim
-        self._items.append(delivery)
+        items = self._items
+        if type(items) is tuple:
+            items = self._items = deque()
+        items.append(delivery)
         if delivery.qos == 0:
-            self._qos0.append(delivery)
+            self._index_qos0(delivery)
         self._len += 1
         self.bytes += len(delivery.message.payload)
         return victim
+
+    def _index_qos0(self, delivery: Delivery) -> None:
+        qos0 = self._qos0
+        if type(qos0) is tuple:
+            qos0 = self._qos0 = deque()
+        qos0.append(delivery)
+
+    def _mark_gone(self, seq: int) -> None:
+        gone = self._gone
+        if type(gone) is frozenset:
+            gone = self._gone = set()
+        gone.add(seq)  # type: ignore[union-attr]
+
+    def _index_paged_qos0(self, seq: int, size: int) -> None:
+        paged_qos0 = self._paged_qos0
+        if type(paged_qos0) is tuple:
+            paged_qos0 = self._paged_qos0 = deque()
+        paged_qos0.append((seq, size))
 
     def page_out(self) -> None:
         """Move tail entries whose store rows are committed into the paged part (in order; an entry that is
@@ -124,7 +154,7 @@ class MessageQueue:
             if entry.dropped:
                 tail.popleft()
                 if entry.seq:
-                    self._gone.add(entry.seq)  # its row may outlive it until the delete commits
+                    self._mark_gone(entry.seq)  # its row may outlive it until the delete commits
                 continue
             seq = entry.seq
             if not seq or seq > committed:
@@ -139,8 +169,8 @@ class MessageQueue:
             if entry.qos == 0:
                 tail_qos0 = self._tail_qos0
                 while tail_qos0 and (tail_qos0[0].dropped or tail_qos0[0] is entry):
-                    tail_qos0.popleft()
-                self._paged_qos0.append((seq, size))
+                    tail_qos0.popleft()  # type: ignore[union-attr]
+                self._index_paged_qos0(seq, size)
 
     def add_paged(self, seq: int, qos: int, size: int) -> None:
         """Account a stored entry that stays in the store (queue rows read back on start, in seq order);
@@ -153,7 +183,7 @@ class MessageQueue:
         self._len += 1
         self.bytes += size
         if qos == 0:
-            self._paged_qos0.append((seq, size))
+            self._index_paged_qos0(seq, size)
 
     def page_in_all(self) -> None:
         """Read every paged entry back into memory and stop paging (before the store rows go away: a session
@@ -161,10 +191,10 @@ class MessageQueue:
         while self.paged:
             if not self._read_paged(max(self.paged, 1)):
                 break
-        self._items.extend(self._tail)
-        self._qos0.extend(self._tail_qos0)
-        self._tail.clear()
-        self._tail_qos0.clear()
+        if self._tail:
+            self._items = deque((*self._items, *self._tail))
+            self._qos0 = deque((*self._qos0, *self._tail_qos0))
+        self._tail = self._tail_qos0 = _NONE
         self.pager = None
 
     def over_quota(self) -> bool:
@@ -178,9 +208,15 @@ class MessageQueue:
 
     def push_front(self, delivery: Delivery) -> None:
         """Put ``delivery`` back at the head (a message taken out of the window to be re-queued)."""
-        self._items.appendleft(delivery)
+        items = self._items
+        if type(items) is tuple:
+            items = self._items = deque()
+        items.appendleft(delivery)
         if delivery.qos == 0:
-            self._qos0.appendleft(delivery)
+            qos0 = self._qos0
+            if type(qos0) is tuple:
+                qos0 = self._qos0 = deque()
+            qos0.appendleft(delivery)
         self._len += 1
         self.bytes += len(delivery.message.payload)
 
@@ -189,8 +225,8 @@ class MessageQueue:
         for qos0 in (self._qos0, None, self._tail_qos0):
             if qos0 is None:
                 if self._paged_qos0:
-                    seq, size = self._paged_qos0.popleft()
-                    self._gone.add(seq)
+                    seq, size = self._paged_qos0.popleft()  # type: ignore[union-attr]
+                    self._mark_gone(seq)
                     self.paged -= 1
                     self._paged_bytes -= size
                     self._len -= 1
@@ -198,7 +234,7 @@ class MessageQueue:
                     return Delivery(_PAGED_OUT, 0, seq=seq, dropped=True)
                 continue
             while qos0:
-                entry = qos0.popleft()
+                entry = qos0.popleft()  # type: ignore[union-attr]
                 if not entry.dropped:
                     entry.dropped = True
                     self._len -= 1
@@ -214,27 +250,29 @@ class MessageQueue:
         rows = self.pager.read(self._page_lo, self._page_hi, limit)
         gone = self._gone
         items = self._items
+        if type(items) is tuple and rows:
+            items = self._items = deque()
         for entry in rows:
             seq = entry.seq
             self._page_lo = seq
             if seq in gone:
-                gone.discard(seq)
+                gone.discard(seq)  # type: ignore[union-attr]
                 continue
-            items.append(entry)
+            items.append(entry)  # type: ignore[union-attr]
             if entry.qos == 0:
-                self._qos0.append(entry)
+                self._index_qos0(entry)
             size = len(entry.message.payload)
             self.paged -= 1
             self._paged_bytes -= size
         paged_qos0 = self._paged_qos0
         while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
-            paged_qos0.popleft()
+            paged_qos0.popleft()  # type: ignore[union-attr]
         if (len(rows) < limit or self._page_lo >= self._page_hi) and self.paged:
             # Rows that never reached the store (their commit failed: nothing of theirs was acknowledged).
             log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
             self._len -= self.paged
             self.bytes -= self._paged_bytes
-            paged_qos0.clear()
+            self._paged_qos0 = _NONE
             self.paged = 0
             self._paged_bytes = 0
         if gone:
@@ -250,7 +288,7 @@ class MessageQueue:
         if not self._items and not self.paged and self._tail:
             self._items, self._tail = self._tail, self._items
             self._qos0, self._tail_qos0 = self._tail_qos0, self._qos0
-            self._gone.clear()  # a later paged range starts above every seq seen so far
+            self._gone = _NO_SEQS  # a later paged range starts above every seq seen so far
 
     def pop(self) -> Delivery:
         """Remove and return the oldest entry. Raises ``IndexError`` when empty."""
@@ -261,7 +299,7 @@ class MessageQueue:
                 items = self._items
                 if not items:
                     raise IndexError("pop from an empty Message Queue")
-            entry = items.popleft()
+            entry = items.popleft()  # type: ignore[union-attr]
             if not entry.dropped:
                 self._len -= 1
                 self.bytes -= len(entry.message.payload)
@@ -269,7 +307,7 @@ class MessageQueue:
                     # Its index entry (if still there) is at the head of _qos0.
                     qos0 = self._qos0
                     while qos0 and (qos0[0] is entry or qos0[0].dropped):
-                        qos0.popleft()
+                        qos0.popleft()  # type: ignore[union-attr]
                 return entry
 
     def peek(self) -> Delivery | None:
@@ -277,7 +315,7 @@ class MessageQueue:
         while True:
             items = self._items
             while items and items[0].dropped:
-                items.popleft()
+                items.popleft()  # type: ignore[union-attr]
             if items:
                 return items[0]
             if not self._len:
@@ -296,22 +334,19 @@ class MessageQueue:
             self.bytes -= len(entry.message.payload)
         for entry in self._tail:
             if entry.dropped and entry.seq:
-                self._gone.add(entry.seq)  # later tail entries may be paged past its row
+                self._mark_gone(entry.seq)  # later tail entries may be paged past its row
         if removed:
             self._items = deque(d for d in self._items if not d.dropped)
             self._qos0 = deque(d for d in self._qos0 if not d.dropped)
-            self._tail = deque(d for d in self._tail if not d.dropped)
-            self._tail_qos0 = deque(d for d in self._tail_qos0 if not d.dropped)
+            if self._tail:
+                self._tail = deque(d for d in self._tail if not d.dropped)
+                self._tail_qos0 = deque(d for d in self._tail_qos0 if not d.dropped)
         return removed
 
     def clear(self) -> None:
         """Drop everything (the store rows are the owner's to delete)."""
-        self._items.clear()
-        self._qos0.clear()
-        self._tail.clear()
-        self._tail_qos0.clear()
-        self._paged_qos0.clear()
-        self._gone.clear()
+        self._items = self._qos0 = self._tail = self._tail_qos0 = self._paged_qos0 = _NONE
+        self._gone = _NO_SEQS
         self.paged = 0
         self._paged_bytes = 0
         self._len = 0
