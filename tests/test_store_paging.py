@@ -32,6 +32,7 @@ from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.session import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
+from gateway.mqtt.properties import PropertyId as P
 from gateway.store.lmdb_store import LmdbStore, StoreSettings, _drop_superseded
 
 
@@ -257,6 +258,15 @@ def _expect(client: RawClient, packet_type: type) -> object:
     return packet
 
 
+def _offline_subscriber(broker: BrokerProcess, client_id: str, topic_filter: str) -> None:
+    """A 3.1.1 Clean Session 0 session subscribed to ``topic_filter`` at QoS 1, then disconnected."""
+    sub = RawClient(broker.port)
+    assert sub.connect(client_id, clean_start=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription(topic_filter, 1)]))
+    _expect(sub, Suback)
+    sub.close()
+
+
 @pytest.mark.parametrize("restart", ["none", "sigterm", "sigkill"])
 def test_seed_000_002_offline_queue_paged_to_store_survives_restart(paging_broker: BrokerProcess,
                                                                     restart: str) -> None:
@@ -266,11 +276,7 @@ def test_seed_000_002_offline_queue_paged_to_store_survives_restart(paging_broke
     restart, a second SIGKILL. On reconnect it receives exactly the reference model's survivors: the newest,
     QoS 0 dropped first, in publish order, Session Present 1."""
     broker = paging_broker
-    sub = RawClient(broker.port)
-    assert sub.connect("pg-sub", clean_start=False).reason_code == 0
-    sub.send(Subscribe(1, [Subscription("pg/#", 1)]))
-    _expect(sub, Suback)
-    sub.close()
+    _offline_subscriber(broker, "pg-sub", "pg/#")
     rng = random.Random(4)
     model = Model(60, [])
     pub = RawClient(broker.port)
@@ -323,11 +329,7 @@ def test_seed_000_002_offline_queue_paged_to_store_survives_restart(paging_broke
 def test_store_rows_freed_after_paged_drain(paging_broker: BrokerProcess) -> None:
     """After a paged backlog is drained and acknowledged, the store holds no queue or message rows."""
     broker = paging_broker
-    sub = RawClient(broker.port)
-    assert sub.connect("pg-sub2", clean_start=False).reason_code == 0
-    sub.send(Subscribe(1, [Subscription("pg2/#", 1)]))
-    _expect(sub, Suback)
-    sub.close()
+    _offline_subscriber(broker, "pg-sub2", "pg2/#")
     pub = RawClient(broker.port)
     assert pub.connect("pg-pub2").reason_code == 0
     for tag in range(1, 51):
@@ -376,3 +378,36 @@ def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(
         assert paged.rows() == (1, 1)
     finally:
         paged.close()
+
+
+def test_mqtt_3_1_2_11_paged_queue_kept_when_session_expiry_drops_to_0(paging_broker: BrokerProcess) -> None:
+    """MQTT 5.0 §3.1.2.11: a session resumed with Clean Start 0 and Session Expiry Interval 0 keeps its state
+    (Session Present 1) but no longer outlives the connection. Its store rows go, so a backlog that was paged to
+    the store is read back into memory first: all 30 queued messages arrive, in order."""
+    broker = paging_broker
+    sub = RawClient(broker.port, version=5)
+    assert sub.connect("pg-sub5", clean_start=True, properties={P.SESSION_EXPIRY_INTERVAL: 300}).reason_code == 0
+    sub.send(Subscribe(1, [Subscription("pg5/#", 1)]))
+    _expect(sub, Suback)
+    sub.send(Disconnect())
+    assert sub.closed_by_server()
+    sub.close()
+    pub = RawClient(broker.port)
+    assert pub.connect("pg-pub5").reason_code == 0
+    for tag in range(1, 31):
+        pub.send(Publish("pg5/t", b"%d" % tag, 1, packet_id=tag))
+        _expect(pub, PubAck)
+    pub.close()
+    sub = RawClient(broker.port, version=5)
+    connack = sub.connect("pg-sub5", clean_start=False)  # no Session Expiry Interval: 0
+    assert connack.session_present
+    got = []
+    for _ in range(30):
+        packet = sub.recv(5.0)
+        assert isinstance(packet, Publish), packet
+        got.append(int(packet.payload))
+        assert packet.packet_id is not None
+        sub.send(PubAck(packet.packet_id))
+    assert got == list(range(1, 31))
+    assert sub.recv_all(0.3) == []
+    sub.close()

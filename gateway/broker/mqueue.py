@@ -89,6 +89,8 @@ class MessageQueue:
         if mem_len > 0:
             self.pager = pager
             self.mem_len = mem_len
+            if type(self._tail) is tuple:
+                self._tail, self._tail_qos0, self._paged_qos0 = deque(), deque(), deque()
 
     def push(self, delivery: Delivery) -> Delivery | None:
         """Append ``delivery``; return the entry dropped to make room, or ``None``.
@@ -100,46 +102,39 @@ class MessageQueue:
             victim = self._drop_one()
         if self._tail or self.paged or (self.pager is not None and delivery.seq
                                         and len(self._items) >= self.mem_len):
-            tail = self._tail
-            if type(tail) is tuple:
-                tail = self._tail = deque()
-            tail.append(delivery)
+            self._tail.append(delivery)  # type: ignore[union-attr]  # a deque once paging is on
             if delivery.qos == 0:
-                tail_qos0 = self._tail_qos0
-                if type(tail_qos0) is tuple:
-                    tail_qos0 = self._tail_qos0 = deque()
-                tail_qos0.append(delivery)
+                self._tail_qos0.append(delivery)  # type: ignore[union-attr]
             self._len += 1
             self.bytes += len(delivery.message.payload)
             self.page_out()
             return victim
-        items = self._items
-        if type(items) is tuple:
-            items = self._items = deque()
-        items.append(delivery)
+        self._head().append(delivery)
         if delivery.qos == 0:
-            self._index_qos0(delivery)
+            self._head_qos0().append(delivery)
         self._len += 1
         self.bytes += len(delivery.message.payload)
         return victim
 
-    def _index_qos0(self, delivery: Delivery) -> None:
+    # The head's deques, made on first use (a shared empty tuple stands for each until then).
+
+    def _head(self) -> deque[Delivery]:
+        items = self._items
+        if type(items) is tuple:
+            items = self._items = deque()
+        return items
+
+    def _head_qos0(self) -> deque[Delivery]:
         qos0 = self._qos0
         if type(qos0) is tuple:
             qos0 = self._qos0 = deque()
-        qos0.append(delivery)
+        return qos0
 
     def _mark_gone(self, seq: int) -> None:
         gone = self._gone
         if type(gone) is frozenset:
             gone = self._gone = set()
         gone.add(seq)  # type: ignore[union-attr]
-
-    def _index_paged_qos0(self, seq: int, size: int) -> None:
-        paged_qos0 = self._paged_qos0
-        if type(paged_qos0) is tuple:
-            paged_qos0 = self._paged_qos0 = deque()
-        paged_qos0.append((seq, size))
 
     def page_out(self) -> None:
         """Move tail entries whose store rows are committed into the paged part (in order; an entry that is
@@ -170,7 +165,7 @@ class MessageQueue:
                 tail_qos0 = self._tail_qos0
                 while tail_qos0 and (tail_qos0[0].dropped or tail_qos0[0] is entry):
                     tail_qos0.popleft()  # type: ignore[union-attr]
-                self._index_paged_qos0(seq, size)
+                self._paged_qos0.append((seq, size))  # type: ignore[union-attr]
 
     def add_paged(self, seq: int, qos: int, size: int) -> None:
         """Account a stored entry that stays in the store (queue rows read back on start, in seq order);
@@ -183,7 +178,7 @@ class MessageQueue:
         self._len += 1
         self.bytes += size
         if qos == 0:
-            self._index_paged_qos0(seq, size)
+            self._paged_qos0.append((seq, size))  # type: ignore[union-attr]
 
     def page_in_all(self) -> None:
         """Read every paged entry back into memory and stop paging (before the store rows go away: a session
@@ -194,7 +189,7 @@ class MessageQueue:
         if self._tail:
             self._items = deque((*self._items, *self._tail))
             self._qos0 = deque((*self._qos0, *self._tail_qos0))
-        self._tail = self._tail_qos0 = _NONE
+        self._tail = self._tail_qos0 = self._paged_qos0 = _NONE
         self.pager = None
 
     def over_quota(self) -> bool:
@@ -208,15 +203,9 @@ class MessageQueue:
 
     def push_front(self, delivery: Delivery) -> None:
         """Put ``delivery`` back at the head (a message taken out of the window to be re-queued)."""
-        items = self._items
-        if type(items) is tuple:
-            items = self._items = deque()
-        items.appendleft(delivery)
+        self._head().appendleft(delivery)
         if delivery.qos == 0:
-            qos0 = self._qos0
-            if type(qos0) is tuple:
-                qos0 = self._qos0 = deque()
-            qos0.appendleft(delivery)
+            self._head_qos0().appendleft(delivery)
         self._len += 1
         self.bytes += len(delivery.message.payload)
 
@@ -249,9 +238,7 @@ class MessageQueue:
         assert self.pager is not None
         rows = self.pager.read(self._page_lo, self._page_hi, limit)
         gone = self._gone
-        items = self._items
-        if type(items) is tuple and rows:
-            items = self._items = deque()
+        items = self._head() if rows else self._items
         for entry in rows:
             seq = entry.seq
             self._page_lo = seq
@@ -260,7 +247,7 @@ class MessageQueue:
                 continue
             items.append(entry)  # type: ignore[union-attr]
             if entry.qos == 0:
-                self._index_qos0(entry)
+                self._head_qos0().append(entry)
             size = len(entry.message.payload)
             self.paged -= 1
             self._paged_bytes -= size
@@ -272,7 +259,7 @@ class MessageQueue:
             log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
             self._len -= self.paged
             self.bytes -= self._paged_bytes
-            self._paged_qos0 = _NONE
+            paged_qos0.clear()  # type: ignore[union-attr]
             self.paged = 0
             self._paged_bytes = 0
         if gone:
@@ -286,8 +273,8 @@ class MessageQueue:
             if not self._read_paged(batch):
                 break
         if not self._items and not self.paged and self._tail:
-            self._items, self._tail = self._tail, self._items
-            self._qos0, self._tail_qos0 = self._tail_qos0, self._qos0
+            self._items, self._tail = self._tail, deque()
+            self._qos0, self._tail_qos0 = self._tail_qos0, deque()
             self._gone = _NO_SEQS  # a later paged range starts above every seq seen so far
 
     def pop(self) -> Delivery:
@@ -345,7 +332,10 @@ class MessageQueue:
 
     def clear(self) -> None:
         """Drop everything (the store rows are the owner's to delete)."""
-        self._items = self._qos0 = self._tail = self._tail_qos0 = self._paged_qos0 = _NONE
+        self._items = self._qos0 = _NONE
+        for part in (self._tail, self._tail_qos0, self._paged_qos0):
+            if part:
+                part.clear()  # type: ignore[union-attr]
         self._gone = _NO_SEQS
         self.paged = 0
         self._paged_bytes = 0

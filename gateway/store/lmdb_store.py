@@ -628,7 +628,8 @@ class LmdbStore:
 
     def _record(self, op: tuple[Any, ...]) -> None:
         self._ops.append(op)
-        self._schedule()
+        if not self._submit_scheduled:
+            self._schedule()
 
     def session_saved(self, session: Session) -> None:
         self._record((_PUT, 2, session.client_id.encode("utf-8"), rec.encode_session(session)))
