@@ -100,9 +100,13 @@ class LmdbPager:
         self.prefix = rec.client_prefix(client_id)
 
     def committed_seq(self) -> int:
+        """The highest store sequence number known committed (updated as commits land on the loop)."""
         return self.store.committed_seq
 
     def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
+        """Up to ``limit`` committed queue rows of this session with ``after < seq <= upto``, in order, each with
+        its message read back (one read transaction on the calling thread; held under ``map_lock`` so the writer
+        cannot resize the map meanwhile). Rows whose message row is missing are skipped."""
         store = self.store
         assert store.env is not None
         prefix = self.prefix
