@@ -411,3 +411,27 @@ def test_mqtt_3_1_2_11_paged_queue_kept_when_session_expiry_drops_to_0(paging_br
     assert got == list(range(1, 31))
     assert sub.recv_all(0.3) == []
     sub.close()
+
+
+def test_paged_row_without_its_message_is_forgotten_and_the_rest_drains(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged store (a paged queue row whose message row is gone) costs that one entry, with an error logged;
+    every other entry still drains in order and the queue's counts end at zero."""
+    paged = PagedSession(tmp_path / "store", 0, 2)
+    try:
+        for tag in range(1, 11):
+            paged.push(tag, 1)
+        paged.commit()
+        paged.session.mqueue.page_out()
+        assert paged.session.mqueue.paged == 8
+        assert paged.store.env is not None
+        with paged.store.env.begin(write=True) as txn:
+            assert txn.delete((6).to_bytes(8, "big"), db=paged.store.dbs[1])  # message 6 (mid = tag)
+        drained = []
+        while paged.session.mqueue:
+            drained.append(paged.pop()[0])
+        assert drained == [1, 2, 3, 4, 5, 7, 8, 9, 10]
+        assert (len(paged.session.mqueue), paged.session.mqueue.bytes, paged.session.mqueue.paged) == (0, 0, 0)
+        assert "paged entry" in caplog.text and "has no message in the store" in caplog.text
+    finally:
+        paged.close()

@@ -81,7 +81,7 @@ class MessageQueue:
         yield from (d for d in self._items if not d.dropped)
         if self.paged and self.pager is not None:
             rows = self.pager.read(self._page_lo, self._page_hi, self.paged + len(self._gone))
-            yield from (d for d in rows if d.seq not in self._gone)
+            yield from (d for d in rows if d.seq not in self._gone and not d.dropped)
         yield from (d for d in self._tail if not d.dropped)
 
     def enable_paging(self, pager: QueuePager, mem_len: int) -> None:
@@ -245,6 +245,12 @@ class MessageQueue:
             if seq in gone:
                 gone.discard(seq)  # type: ignore[union-attr]
                 continue
+            if entry.dropped:
+                # Its message row is missing (a damaged store): forgotten; its bytes leave with the range.
+                log.error("Message Queue: paged entry %d has no message in the store; forgotten", seq)
+                self.paged -= 1
+                self._len -= 1
+                continue
             items.append(entry)  # type: ignore[union-attr]
             if entry.qos == 0:
                 self._head_qos0().append(entry)
@@ -254,9 +260,11 @@ class MessageQueue:
         paged_qos0 = self._paged_qos0
         while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
             paged_qos0.popleft()  # type: ignore[union-attr]
-        if (len(rows) < limit or self._page_lo >= self._page_hi) and self.paged:
-            # Rows that never reached the store (their commit failed: nothing of theirs was acknowledged).
-            log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
+        if (not rows or self._page_lo >= self._page_hi) and (self.paged or self._paged_bytes):
+            # The range is read through but entries are left: their rows never reached the store (their commit
+            # failed, so none of them was acknowledged) or their messages were missing.
+            if self.paged:
+                log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
             self._len -= self.paged
             self.bytes -= self._paged_bytes
             paged_qos0.clear()  # type: ignore[union-attr]

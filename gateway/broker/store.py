@@ -59,7 +59,7 @@ class QueuePager(Protocol):
     def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
         """Up to ``limit`` committed queue rows with ``after < seq <= upto``, in order, as Deliveries (``seq``
         set, message read back). Rows deleted since are absent; rows whose deletion is not committed yet are
-        still returned (the queue skips them)."""
+        still returned (the queue skips them); a row whose message is missing is returned marked ``dropped``."""
         ...
 
 

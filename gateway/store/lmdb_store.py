@@ -106,7 +106,7 @@ class LmdbPager:
     def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
         """Up to ``limit`` committed queue rows of this session with ``after < seq <= upto``, in order, each with
         its message read back (one read transaction on the calling thread; held under ``map_lock`` so the writer
-        cannot resize the map meanwhile). Rows whose message row is missing are skipped."""
+        cannot resize the map meanwhile). A row whose message row is missing comes back marked ``dropped``."""
         store = self.store
         assert store.env is not None
         prefix = self.prefix
@@ -126,8 +126,10 @@ class LmdbPager:
                 mid = rec.from_u64(value)
                 raw = txn.get(value[:8], db=messages)  # the record starts with the mid, as the key is made
                 if raw is None:
-                    continue
-                _mid, delivery = rec.decode_delivery(value, rec.decode_message(mid, raw))
+                    _mid, delivery = rec.decode_delivery(value)
+                    delivery.dropped = True  # no message to deliver: the queue forgets it
+                else:
+                    _mid, delivery = rec.decode_delivery(value, rec.decode_message(mid, raw))
                 delivery.seq = seq
                 out.append(delivery)
                 if len(out) >= limit:
