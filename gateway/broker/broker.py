@@ -16,6 +16,7 @@ import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from gateway import __version__
@@ -534,7 +535,7 @@ class Broker:
             matched = self._publish(message, now)
             conn.inbound_pending += 1
             reason = RC.NO_MATCHING_SUBSCRIBERS if v5 and not matched else 0
-            self.store.when_durable(lambda: self._ack(conn, PubAck(pid, reason)))  # type: ignore[arg-type]
+            self.store.when_durable(partial(self._puback, conn, pid, reason))
         else:
             session.awaiting_rel[pid] = (message, now)  # type: ignore[index]
             if session.persistent:
@@ -548,6 +549,19 @@ class Broker:
             self._send(conn, PubAck(p.packet_id, reason if conn.version == MQTT_5 else 0))  # type: ignore[arg-type]
         elif p.qos == 2:
             self._send(conn, PubRec(p.packet_id, reason if conn.version == MQTT_5 else 0))  # type: ignore[arg-type]
+
+    def _puback(self, conn: Connection, pid: int, reason: int) -> None:
+        """PUBACK a QoS 1 PUBLISH once its work is durable (DESIGN.md §4); the common one (reason 0, MQTT 5.0
+        §3.4.2.1: then the Reason Code may be left out) is built here, without a packet object."""
+        conn.inbound_pending -= 1
+        if conn.state != CONNECTED:
+            return
+        if reason or (conn.max_packet_size is not None and conn.max_packet_size < 4):
+            self._send(conn, PubAck(pid, reason))
+            return
+        conn.out.append(bytes((0x40, 2, pid >> 8, pid & 0xFF)))
+        self.stats.messages_sent += 1
+        self.dirty.add(conn)
 
     def _ack(self, conn: Connection, packet: PubAck | PubRec | PubComp) -> None:
         """Send an acknowledgement once its work is durable (DESIGN.md §4)."""

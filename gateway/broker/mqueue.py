@@ -49,8 +49,8 @@ class MessageQueue:
         paged: entries held only in the store.
     """
 
-    __slots__ = ("_gone", "_items", "_len", "_page_hi", "_page_lo", "_paged_bytes", "_paged_qos0", "_qos0", "_tail",
-                 "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged", "pager")
+    __slots__ = ("_gone", "_items", "_len", "_page_hi", "_page_lo", "_page_out_every", "_paged_bytes", "_paged_qos0",
+                 "_qos0", "_tail", "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged", "pager")
 
     def __init__(self, max_len: int = 1000, max_bytes: int = 0) -> None:
         self.max_len = max_len
@@ -61,6 +61,7 @@ class MessageQueue:
         self._len = 0
         self.pager: QueuePager | None = None
         self.mem_len = 0
+        self._page_out_every = 1
         self.paged = 0
         self._paged_bytes = 0
         self._paged_qos0: deque[tuple[int, int]] | tuple[()] = _NONE  # (seq, payload bytes) of paged QoS 0
@@ -89,6 +90,7 @@ class MessageQueue:
         if mem_len > 0:
             self.pager = pager
             self.mem_len = mem_len
+            self._page_out_every = min(32, mem_len)
             if type(self._tail) is tuple:
                 self._tail, self._tail_qos0, self._paged_qos0 = deque(), deque(), deque()
 
@@ -107,7 +109,8 @@ class MessageQueue:
                 self._tail_qos0.append(delivery)  # type: ignore[union-attr]
             self._len += 1
             self.bytes += len(delivery.message.payload)
-            self.page_out()
+            if len(self._tail) >= self._page_out_every:
+                self.page_out()  # commits land a batch at a time: looking on every push costs more than it frees
             return victim
         self._head().append(delivery)
         if delivery.qos == 0:

@@ -171,6 +171,8 @@ class LmdbStore:
         self._outbox_loaded: dict[str, list[OutboxRecord]] = {}
         self._lock_fd: int | None = None
         self.used_bytes = 0
+        limit = settings.max_size
+        self._room_below = limit - max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))  # has_room: used below this
         self.map_size = 0
         self.commits = 0
         self.committed_ops = 0
@@ -651,13 +653,17 @@ class LmdbStore:
         self._record((_DEL, 3, rec.client_prefix(client_id) + key.encode("utf-8")))
 
     def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
-        new = delivery.seq == 0
-        if new:
-            delivery.seq = self._seq
-            self._seq += 1
-            self.note_mid(delivery.message.mid)
-        key = rec.client_prefix(client_id) + rec.u64(delivery.seq)
-        self._record((_Q_PUT, key, rec.encode_delivery(delivery), delivery.message if new else None))
+        seq = delivery.seq
+        message = None  # only a new row takes a reference to its message
+        if not seq:
+            seq = delivery.seq = self._seq
+            self._seq = seq + 1
+            message = delivery.message
+            if message.mid >= self._next_mid_hint:
+                self._next_mid_hint = message.mid + 1
+        self._ops.append((_Q_PUT, rec.client_prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message))
+        if not self._submit_scheduled:
+            self._schedule()
 
     def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
         if delivery.seq:
@@ -709,10 +715,10 @@ class LmdbStore:
         return self._outbox_loaded.pop(link, [])
 
     def has_room(self, client_id: str | None) -> bool:
-        limit = self.settings.max_size
-        headroom = max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))
-        if self.used_bytes + headroom < limit and not self.last_write_failed:
+        if self.used_bytes < self._room_below and not self.last_write_failed:
             return True
+        limit = self.settings.max_size
+        headroom = limit - self._room_below
         self.refused += 1
         if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
             log.error("store full: %d of %d bytes used (headroom %d); refusing new QoS 1/2 messages (%d refused)",
