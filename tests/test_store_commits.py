@@ -1,0 +1,115 @@
+"""When the LMDB store commits (gateway/store/lmdb_store.py, DESIGN.md §4), on a real store and a real event loop.
+
+Work a client waits for is committed at the end of the loop turn that recorded it. That covers a PUBACK, PUBREC,
+PUBCOMP, SUBACK or UNSUBACK, and a QoS 2 send (all behind ``when_durable``). Changes nobody waits for (deletes
+after acknowledgements, Packet Identifier updates of QoS 1 sends) wait up to ``lazy_commit`` and share a commit.
+If a waiter arrives in the meantime, the commit is brought forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.broker.limits import ZoneLimits
+from gateway.broker.message import Delivery, Message
+from gateway.broker.session import NEVER, Session
+from gateway.store.lmdb_store import LmdbStore, StoreSettings
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _open(path: Path, loop: asyncio.AbstractEventLoop, lazy_commit: float) -> LmdbStore:
+    store = LmdbStore(StoreSettings(path=str(path), lazy_commit=lazy_commit), ZoneLimits)
+    store.load(0.0)
+    store.attach(loop)
+    store.session_saved(Session("sub", ZoneLimits(), expiry_interval=NEVER))
+    return store
+
+
+def _turns(loop: asyncio.AbstractEventLoop, n: int = 20) -> None:
+    """Let the loop run ``n`` turns (and the writer thread a moment each)."""
+    for _ in range(n):
+        loop.run_until_complete(asyncio.sleep(0.001))
+
+
+def _queue_rows(store: LmdbStore) -> int:
+    assert store.env is not None
+    with store.env.begin() as txn:
+        return int(txn.stat(store.dbs[4])["entries"])
+
+
+def test_changes_nobody_waits_for_share_a_later_commit(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    """With ``lazy_commit`` 10 s, deletes that nobody waits for stay uncommitted across many loop turns (so they
+    can share one commit); the first ``when_durable`` commits them all, in one transaction, at the next turn."""
+    store = _open(tmp_path / "store", loop, lazy_commit=10.0)
+    try:
+        deliveries = [Delivery(Message(i, "t", b"x", 1, False, {}, 0.0), 1) for i in range(1, 6)]
+        for delivery in deliveries:
+            store.delivery_saved("sub", delivery)
+        acked: list[int] = []
+        store.when_durable(lambda: acked.append(1))  # a PUBACK waits: committed at once
+        _turns(loop)
+        assert acked == [1] and _queue_rows(store) == 5
+        commits = store.commits
+        for delivery in deliveries[:3]:
+            store.delivery_deleted("sub", delivery)  # acknowledged by the subscriber: nobody waits
+            _turns(loop, 5)
+        assert store.commits == commits and _queue_rows(store) == 5  # still waiting to share a commit
+        store.when_durable(lambda: acked.append(2))
+        _turns(loop)
+        assert acked == [1, 2]
+        assert store.commits == commits + 1 and _queue_rows(store) == 2
+    finally:
+        store.close()
+
+
+def test_lazy_changes_are_committed_within_lazy_commit(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    """Without a waiter, a lazy change is still committed once ``lazy_commit`` passed; with ``lazy_commit`` 0
+    every change is committed at the end of its loop turn."""
+    for lazy, turns in ((0.02, 200), (0.0, 20)):
+        path = tmp_path / f"store-{lazy}"
+        store = _open(path, loop, lazy_commit=lazy)
+        try:
+            delivery = Delivery(Message(1, "t", b"x", 1, False, {}, 0.0), 1)
+            store.delivery_saved("sub", delivery)
+            done: list[int] = []
+            store.when_durable(lambda done=done: done.append(1))  # type: ignore[misc]
+            _turns(loop)
+            assert done == [1]
+            store.delivery_deleted("sub", delivery)
+            for _ in range(turns):
+                if not store.pending():
+                    break
+                _turns(loop, 1)
+            assert not store.pending()
+            assert _queue_rows(store) == 0
+        finally:
+            store.close()
+
+
+def test_close_commits_lazy_changes(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    """A clean stop commits what was still waiting to share a commit: after reopening, the deletes are there."""
+    store = _open(tmp_path / "store", loop, lazy_commit=10.0)
+    delivery = Delivery(Message(1, "t", b"x", 1, False, {}, 0.0), 1)
+    store.delivery_saved("sub", delivery)
+    store.when_durable(lambda: None)
+    _turns(loop)
+    store.delivery_deleted("sub", delivery)
+    _turns(loop, 3)
+    assert _queue_rows(store) == 1
+    store.close()
+    reopened = LmdbStore(StoreSettings(path=str(tmp_path / "store")), ZoneLimits)
+    try:
+        reopened.load(0.0)
+        assert _queue_rows(reopened) == 0
+    finally:
+        reopened.close()
