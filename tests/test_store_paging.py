@@ -267,6 +267,17 @@ def _offline_subscriber(broker: BrokerProcess, client_id: str, topic_filter: str
     sub.close()
 
 
+def _publish_qos1(broker: BrokerProcess, client_id: str, topic: str, tags: range) -> None:
+    """Publish ``b"<tag>"`` at QoS 1 for each tag (Packet Identifier = tag), each acknowledged before the next."""
+    pub = RawClient(broker.port)
+    assert pub.connect(client_id).reason_code == 0
+    for tag in tags:
+        pub.send(Publish(topic, b"%d" % tag, 1, packet_id=tag))
+        _expect(pub, PubAck)
+    pub.send(Disconnect())
+    pub.close()
+
+
 @pytest.mark.parametrize("restart", ["none", "sigterm", "sigkill"])
 def test_seed_000_002_offline_queue_paged_to_store_survives_restart(paging_broker: BrokerProcess,
                                                                     restart: str) -> None:
@@ -299,14 +310,9 @@ def test_seed_000_002_offline_queue_paged_to_store_survives_restart(paging_broke
         broker.kill()
         broker.start()
     # More after the restart: their store rows must not take the keys of rows paged in from before it.
-    pub = RawClient(broker.port)
-    assert pub.connect("pg-pub").reason_code == 0
     for tag in range(201, 231):
         model.push(tag, 1)
-        pub.send(Publish("pg/t", b"%d" % tag, 1, packet_id=tag))
-        _expect(pub, PubAck)
-    pub.send(Disconnect())
-    pub.close()
+    _publish_qos1(broker, "pg-pub", "pg/t", range(201, 231))
     if restart != "none":
         broker.kill()  # and once more, so the drain reads what the store holds
         broker.start()
@@ -330,12 +336,7 @@ def test_store_rows_freed_after_paged_drain(paging_broker: BrokerProcess) -> Non
     """After a paged backlog is drained and acknowledged, the store holds no queue or message rows."""
     broker = paging_broker
     _offline_subscriber(broker, "pg-sub2", "pg2/#")
-    pub = RawClient(broker.port)
-    assert pub.connect("pg-pub2").reason_code == 0
-    for tag in range(1, 51):
-        pub.send(Publish("pg2/t", b"%d" % tag, 1, packet_id=tag))
-        _expect(pub, PubAck)
-    pub.close()
+    _publish_qos1(broker, "pg-pub2", "pg2/t", range(1, 51))
     sub = RawClient(broker.port)
     assert sub.connect("pg-sub2", clean_start=False).session_present
     for tag in range(1, 51):
@@ -392,12 +393,7 @@ def test_mqtt_3_1_2_11_paged_queue_kept_when_session_expiry_drops_to_0(paging_br
     sub.send(Disconnect())
     assert sub.closed_by_server()
     sub.close()
-    pub = RawClient(broker.port)
-    assert pub.connect("pg-pub5").reason_code == 0
-    for tag in range(1, 31):
-        pub.send(Publish("pg5/t", b"%d" % tag, 1, packet_id=tag))
-        _expect(pub, PubAck)
-    pub.close()
+    _publish_qos1(broker, "pg-pub5", "pg5/t", range(1, 31))
     sub = RawClient(broker.port, version=5)
     connack = sub.connect("pg-sub5", clean_start=False)  # no Session Expiry Interval: 0
     assert connack.session_present
