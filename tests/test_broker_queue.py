@@ -276,6 +276,45 @@ def test_seed_000_inflight_full_messages_queued_and_drained_fifo_on_ack(zones: B
     assert received == bodies
 
 
+@pytest.mark.parametrize("version", [4, 5])
+def test_seed_000_acknowledgements_in_one_write_refill_the_window_fifo(zones: BrokerProcess, open_client: Opener,
+                                                                      uid: str, version: int) -> None:
+    """Seed 000: "Once a message is acknowledged in the Inflight Window, the message in the Message Queue will be
+    sent in first-in, first-out order". A persistent subscriber acknowledges its whole window of 10 in one write
+    (as fast consumers do; the broker reads such runs of PUBACKs without a packet object each), with a PUBACK
+    for an unknown Packet Identifier and, on 5.0, one carrying a Reason Code among them, and a PINGREQ behind:
+    the next 10 follow in order, then the PINGRESP is answered. After a reconnect nothing is sent again
+    (``test_store.py`` checks that the acknowledged rows left the store)."""
+    port = zones.ports["rm10"]
+    sub, _ = persistent(open_client, port, f"{uid}-sub", version, clean=True)
+    subscribe(sub, (f"{uid}/t", 1))
+    pub = Publisher(open_client, port, f"{uid}-pub")
+    bodies = [b"m%02d" % i for i in range(25)]
+    for body in bodies:
+        pub.publish(f"{uid}/t", body, 1)
+    received = barrier(sub, 10)
+    assert payloads(received) == bodies[:10]
+    window = received
+    while len(received) < 25:
+        acks = [PubAck(p.packet_id).encode(version) for p in window]  # type: ignore[union-attr]
+        acks.insert(3, PubAck(60000).encode(version))  # unknown: ignored
+        if version == 5:
+            acks[5] = PubAck(window[4].packet_id, 0x80).encode(5)  # type: ignore[union-attr]
+        sub.send(b"".join(acks) + PingReq().encode(version))
+        window = []
+        while not isinstance(packet := sub.recv(), PingResp):
+            window.append(packet)
+        window += sub.recv_all(SETTLE)
+        assert payloads(window) == bodies[len(received):len(received) + 10]
+        received += window
+    sub.send(b"".join(PubAck(p.packet_id).encode(version) for p in window))  # type: ignore[union-attr]
+    assert barrier(sub) == []
+    disconnect(sub)
+    again, connack = persistent(open_client, port, f"{uid}-sub", version)
+    assert connack.session_present
+    assert barrier(again) == []
+
+
 def test_seed_001_qos0_to_online_client_bypasses_full_window_and_queue(zones: BrokerProcess, open_client: Opener,
                                                                        uid: str) -> None:
     """Seed 001: "If the number of in-flight QoS 1, 2 messages reaches the maximum limit of the Inflight Window ...

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.mqtt.errors import MalformedPacket
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (
     Auth,
@@ -341,6 +342,49 @@ def test_stream_fed_one_byte_at_a_time(version: int, data: st.DataObject) -> Non
         out.extend(reader.feed(stream[i : i + 1]))
     assert out == packets
     assert reader.buffered == 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@STREAM
+@given(data=st.data())
+def test_leading_pubacks_then_feed_yield_the_same_packets(version: int, data: st.DataObject) -> None:
+    """``leading_pubacks`` (the broker's path for a subscriber's acknowledgements) takes exactly the plain PUBACKs
+    (Reason Code 0 left out, non-zero Packet Identifier) that start a chunk; ``feed`` of the rest yields the other
+    packets. Together they see the same packets as ``feed`` alone, under any chunking; a buffered partial packet
+    keeps its bytes from ``leading_pubacks``."""
+    plain = st.builds(PubAck, st.integers(1, 65535))
+    packets = data.draw(st.lists(st.one_of(plain, plain, any_packet(version)), max_size=10), label="packets")
+    stream = b"".join(p.encode(version) for p in packets)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6), label="cuts"))
+    reader = PacketReader(version=version)
+    seen: list[Packet] = []
+    for start, stop in itertools.pairwise([0, *cuts, len(stream)]):
+        chunk = stream[start:stop]
+        pids, used = reader.leading_pubacks(chunk)
+        assert used == 4 * len(pids) and chunk[:used] == b"".join(PubAck(pid).encode(version) for pid in pids)
+        seen.extend(PubAck(pid) for pid in pids)
+        seen.extend(reader.feed(chunk[used:]))
+    assert seen == packets
+    assert reader.buffered == 0
+
+
+def test_leading_pubacks_leave_a_partial_packets_bytes_alone() -> None:
+    """Bytes that continue a buffered packet are its body, even when they look like PUBACKs."""
+    publish = Publish("t", b"\x40\x02\x00\x05" * 2)
+    wire = publish.encode(V311)
+    reader = PacketReader(version=V311)
+    assert not list(reader.feed(wire[:5]))
+    assert reader.leading_pubacks(wire[5:]) == ([], 0)
+    assert list(reader.feed(wire[5:])) == [publish]
+
+
+def test_leading_pubacks_stop_at_packet_identifier_0() -> None:
+    """MQTT-2.2.1-3: a PUBACK with Packet Identifier 0 ends the run; ``feed`` then rejects it as malformed."""
+    reader = PacketReader(version=V311)
+    data = b"\x40\x02\x00\x07" + b"\x40\x02\x00\x00" + b"\x40\x02\x00\x08"
+    assert reader.leading_pubacks(data) == ([7], 4)
+    with pytest.raises(MalformedPacket, match="Packet Identifier 0"):
+        list(reader.feed(data[4:]))
 
 
 def test_packets_not_consumed_stay_buffered() -> None:

@@ -699,6 +699,39 @@ def test_corrupt_store_with_on_corrupt_refuse_exits_74(tmp_path: Path, clients: 
 # ------------------------------------------------------------------------------------------------ tools
 
 
+def test_acknowledgements_in_one_write_leave_no_rows(tmp_path: Path, clients: Clients) -> None:
+    """DESIGN.md §4: a delivery's queue row and its message row go once the delivery is acknowledged. A persistent
+    subscriber acknowledges whole windows in one write each (the broker reads such runs of PUBACKs in one go);
+    after a clean stop the store holds its session and subscription but no queue or message rows."""
+    broker = BrokerProcess(CONFIG, workdir=str(tmp_path)).start()
+    try:
+        sub, _ = clients.connect(broker.port, "runs")
+        subscribe(sub, 1, [Subscription("runs/t", 1)])
+        disconnect(sub)
+        pub, _ = clients.connect(broker.port, "runs-pub", clean=True, expiry=None)
+        for i in range(50):
+            publish(pub, "runs/t", b"%d" % i)
+        sub, connack = clients.connect(broker.port, "runs")
+        assert connack.session_present
+        got: list[bytes] = []
+        while len(got) < 50:
+            window = [sub.recv()]
+            window += sub.recv_all(QUIET)
+            assert all(isinstance(p, Publish) and p.qos == 1 for p in window), window
+            got += [p.payload for p in window]  # type: ignore[union-attr]
+            sub.send(b"".join(PubAck(p.packet_id).encode(5) for p in window))  # type: ignore[union-attr]
+        assert got == [b"%d" % i for i in range(50)]
+        sub.send(PingReq())
+        assert isinstance(sub.recv(), PingResp)
+        clients.close_all()
+    finally:
+        code = broker.stop()
+    assert code == 0, broker.log()
+    stats = store_stats(tmp_path)
+    assert (stats["sessions"], stats["subs_entries"], stats["queue_entries"], stats["messages_entries"]) == \
+        (1, 1, 0, 0), stats
+
+
 def test_store_stats_inspect_compact(tmp_path: Path, clients: Clients) -> None:
     """``edge-gateway store stats|inspect|compact`` (DESIGN.md §4/§6) on a stopped broker's store with sessions and
     queued messages: the right counts, the sessions and subscriptions by name, a compaction after which every queued

@@ -3,12 +3,15 @@
 Work a client waits for is committed at the end of the loop turn that recorded it. That covers a PUBACK, PUBREC,
 PUBCOMP, SUBACK or UNSUBACK, and a QoS 2 send (all behind ``when_durable``). Changes nobody waits for (deletes
 after acknowledgements, Packet Identifier updates of QoS 1 sends) wait up to ``lazy_commit`` and share a commit.
-If a waiter arrives in the meantime, the commit is brought forward.
+If a waiter arrives in the meantime, the commit is brought forward. Commits write over space written ahead in
+the data file where they can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,5 +114,71 @@ def test_close_commits_lazy_changes(tmp_path: Path, loop: asyncio.AbstractEventL
     try:
         reopened.load(0.0)
         assert _queue_rows(reopened) == 0
+    finally:
+        reopened.close()
+
+
+def _save_and_commit(store: LmdbStore, loop: asyncio.AbstractEventLoop, count: int, size: int) -> None:
+    for mid in range(1, count + 1):
+        store.delivery_saved("sub", Delivery(Message(mid, "t", b"x" * size, 1, False, {}, 0.0), 1))
+    done: list[int] = []
+    store.when_durable(lambda: done.append(1))
+    _turns(loop)
+    assert done == [1]
+
+
+def test_commits_write_over_space_written_ahead(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    """After a commit the data file holds 2-4 MiB of written (allocated, not sparse) space past LMDB's last page
+    and never more than the map, so the next commits overwrite blocks instead of extending the file. LMDB
+    reopens the larger file with everything in it."""
+    path = tmp_path / "store"
+    store = _open(path, loop, lazy_commit=0.0)
+    try:
+        _save_and_commit(store, loop, 200, 1000)
+        assert store.env is not None
+        last_page_end = (store.env.info()["last_pgno"] + 1) * store.env.stat()["psize"]
+        st = (path / "data.mdb").stat()
+        assert last_page_end + 2 * 1024 * 1024 <= st.st_size <= min(last_page_end + 4 * 1024 * 1024, store.map_size)
+        assert st.st_blocks * 512 >= st.st_size
+    finally:
+        store.close()
+    reopened = LmdbStore(StoreSettings(path=str(path)), ZoneLimits)
+    try:
+        state = reopened.load(0.0)
+        assert [len(s.mqueue) for s in state.sessions] == [200]
+    finally:
+        reopened.close()
+
+
+def test_writing_ahead_gives_way_when_the_file_cannot_grow(tmp_path: Path) -> None:
+    """When the space ahead cannot be written (here a 1 MiB file size limit, RLIMIT_FSIZE, in a child process; a
+    full disk behaves alike), the store logs it once, gives the partial extension back and keeps committing;
+    everything committed reloads."""
+    path = tmp_path / "store"
+    script = f"""
+import asyncio, logging, resource, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from test_store_commits import _open, _save_and_commit
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+logging.basicConfig(level=logging.WARNING)
+loop = asyncio.new_event_loop()
+from pathlib import Path
+store = _open(Path({str(path)!r}), loop, lazy_commit=0.0)
+for _ in range(3):
+    _save_and_commit(store, loop, 20, 1000)
+store.close()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "could not write" in line]
+    assert len(warnings) == 1, result.stderr
+    assert "data.mdb" in warnings[0] and "commits extend the file instead" in warnings[0]
+    assert (path / "data.mdb").stat().st_size < 1 << 20
+    reopened = LmdbStore(StoreSettings(path=str(path)), ZoneLimits)
+    try:
+        state = reopened.load(0.0)
+        assert [len(s.mqueue) for s in state.sessions] == [60]  # three rounds of 20 queue rows
     finally:
         reopened.close()

@@ -37,6 +37,26 @@ class PacketReader:
         """Bytes held that do not make a whole packet yet."""
         return len(self._buf)
 
+    def leading_pubacks(self, data: bytes) -> tuple[list[int], int]:
+        """The Packet Identifiers of the run of plain PUBACKs (4 bytes: 0x40, Remaining Length 2, a non-zero
+        Packet Identifier; MQTT 5.0 §3.4.2.1: Reason Code 0 left out) that starts ``data``, and how many bytes
+        that run takes. A subscriber's acknowledgements arrive as such runs; this reads them without making a
+        packet object each. Returns ``([], 0)`` while a partial packet is buffered (the bytes belong to it)
+        and stops before anything else, including a PUBACK with Packet Identifier 0, which :meth:`feed`
+        then rejects [MQTT-2.2.1-3]."""
+        if self._buf:
+            return [], 0
+        pids: list[int] = []
+        pos = 0
+        end = len(data) - 3
+        while pos < end and data[pos] == 0x40 and data[pos + 1] == 2:
+            pid = (data[pos + 2] << 8) | data[pos + 3]
+            if not pid:
+                break
+            pids.append(pid)
+            pos += 4
+        return pids, pos
+
     def feed(self, data: bytes) -> Iterator[Packet]:
         """Add ``data`` and yield every whole packet now available, in order.
 

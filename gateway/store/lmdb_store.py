@@ -12,6 +12,8 @@
   reference, so a backlog costs no memory per message) and are rebuilt on open.
 - Message Queues of persistent sessions page: beyond ``mqueue_mem_len`` entries in memory, queued messages stay only
   in the store and are read back on the loop (a read transaction) as the queue drains (:class:`LmdbPager`).
+- The data file is written a few MiB ahead of LMDB's last page (zeros, within the map), so commits overwrite
+  allocated blocks rather than extend the file (cheaper fdatasyncs on ext4).
 - The map grows up to ``max_size``; new durable work is refused (``has_room`` is False) once the data reaches
   ``max_size`` minus a headroom, so deletes and already-acknowledged work always fit.
 """
@@ -47,6 +49,8 @@ log = logging.getLogger("gateway.store")
 DB_NAMES = ("meta", "messages", "sessions", "subs", "queue", "inbound", "retained", "outbox")  # append only
 _INITIAL_MAP = 32 * 1024 * 1024
 _HEADROOM_FRACTION = 0.05
+_AHEAD = 4 * 1024 * 1024  # written space kept past LMDB's last page (see LmdbStore._preallocate)
+_ZEROS = bytes(1024 * 1024)
 _MIN_HEADROOM = 2 * 1024 * 1024
 
 # Writer operations.
@@ -201,6 +205,8 @@ class LmdbStore:
                              sync=True, metasync=True, lock=True, readahead=False)
         self.map_size = map_size
         self.dbs = [self.env.open_db(name.encode()) for name in DB_NAMES]
+        self._file_end = self._data_file_size()
+        self._page_size = self.env.stat()["psize"]
 
     def _data_file_size(self) -> int:
         try:
@@ -512,9 +518,7 @@ class LmdbStore:
                     q.put(None)
                     break
                 batches.append(more)
-            ops = [op for batch in batches for op in batch[0]]
-            if len(batches) > 1:
-                ops = _drop_superseded(ops)
+            ops = _drop_superseded([op for batch in batches for op in batch[0]])
             ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
             ok = self._commit(ops)
@@ -548,6 +552,7 @@ class LmdbStore:
                 with self.map_lock:
                     self.env.set_mapsize(new_size)
                 self.map_size = new_size
+                self._file_end = self._data_file_size()
                 log.info("store: map grown to %d bytes", new_size)
             except lmdb.Error as exc:
                 self._rollback_refs()
@@ -558,7 +563,37 @@ class LmdbStore:
                 return False
         self.last_write_failed = False
         self._update_used()  # ~10 us a commit; keeps has_room exact
+        self._preallocate()
         return True
+
+    def _preallocate(self) -> None:
+        """Keep about ``_AHEAD`` bytes of written zeros past LMDB's last page, up to the map size, so that commits
+        write over allocated blocks instead of extending the file. On ext4 an fdatasync that extends a file also
+        commits the journal: measured here, a commit of 64 queued messages took ~20% less time and CPU on a file
+        written ahead (``bench/durable_cpu.py``). Runs on the writer thread between transactions and only writes
+        past the file's end, where LMDB has written nothing. A full disk is not an error here: the extension is
+        given back and LMDB's own writes report it."""
+        assert self.env is not None
+        if self._file_end >= self.map_size:
+            return  # written up to the map's end, or given up until the map grows
+        end = (self.env.info()["last_pgno"] + 1) * self._page_size
+        if end + _AHEAD // 2 <= self._file_end:
+            return
+        target = min(self.map_size, max(end, self._file_end) + _AHEAD)
+        fd = os.open(self.path / "data.mdb", os.O_WRONLY)
+        try:
+            size = pos = os.fstat(fd).st_size
+            try:
+                while pos < target:
+                    pos += os.pwrite(fd, _ZEROS[:target - pos], pos)
+                self._file_end = max(target, size)
+            except OSError as exc:
+                os.ftruncate(fd, size)
+                self._file_end = self.map_size  # not again until the map grows
+                log.warning("store: could not write %d bytes ahead in %s (%s); commits extend the file instead",
+                            target - size, self.path / "data.mdb", exc)
+        finally:
+            os.close(fd)
 
     def _rollback_refs(self) -> None:
         refs = self._refs
