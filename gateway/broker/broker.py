@@ -59,6 +59,8 @@ RC = ReasonCode
 #: window. A client silent for STALLED_AFTER seconds is not waited for.
 CONGESTION_MIN = 64
 STALLED_AFTER = 1.0
+#: Acknowledgements handled before the messages they let into the window are written out (see Broker.write_now).
+ACK_RUN_PART = 8
 
 #: "No Subscription Identifiers": one shared list, never mutated.
 NO_IDS: list[int] = []
@@ -124,6 +126,10 @@ class Broker:
         #: bridge's outbox, gateway/upstream/). Not called for messages without a sender ($SYS).
         #: Upstream hooks: each sees every client-originated message and returns True when it took it.
         self.forwarders: list[Callable[[Message, float], bool]] = []
+        #: Set by the I/O layer: write a connection's pending output now instead of at the end of the loop turn.
+        #: Called between parts of a long run of acknowledgements, so the client works on the first messages
+        #: that refilled its window while the broker prepares the rest.
+        self.write_now: Callable[[Connection], None] | None = None
         self._next_sys = now
         self._next_sweep = now
         self._enc_mid = 0
@@ -896,15 +902,19 @@ class Broker:
         assert session is not None
         inflight = session.inflight
         store = self.store if session.persistent else None
-        for pid in pids:
-            delivery = inflight.get(pid)
-            if delivery is None or delivery.qos != 1:
-                log.debug("%s: PUBACK for unknown Packet Identifier %d", conn.client_id, pid)
-                continue
-            del inflight[pid]
-            if store is not None:
-                store.delivery_deleted(session.client_id, delivery)
-        self._pump(session, now)
+        write_now = self.write_now
+        for start in range(0, len(pids), ACK_RUN_PART):
+            if start and write_now is not None and conn.out:
+                write_now(conn)
+            for pid in pids[start:start + ACK_RUN_PART]:
+                delivery = inflight.get(pid)
+                if delivery is None or delivery.qos != 1:
+                    log.debug("%s: PUBACK for unknown Packet Identifier %d", conn.client_id, pid)
+                    continue
+                del inflight[pid]
+                if store is not None:
+                    store.delivery_deleted(session.client_id, delivery)
+            self._pump(session, now)
 
     def _on_pubrec(self, conn: Connection, p: PubRec, now: float) -> None:
         conn.last_ack_at = now

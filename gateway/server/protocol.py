@@ -31,6 +31,16 @@ class BrokerIO:
         self.open_connections: set[MQTTProtocol] = set()
         self.throttled: set[MQTTProtocol] = set()  # publishers paused while a consumer is congested
         self.last_tick = time.monotonic()
+        broker.write_now = self.write_now
+
+    def write_now(self, conn: Connection) -> None:
+        """Write ``conn``'s pending packets at once (:attr:`Broker.write_now`); the end-of-turn flush still closes
+        the connection if the broker asked."""
+        transport = conn.transport
+        out = conn.out
+        if out and transport is not None and not transport.is_closing():
+            transport.write(b"".join(out) if len(out) > 1 else out[0])
+            out.clear()
 
     def schedule_flush(self) -> None:
         """Ask for one :meth:`flush` at the end of this loop turn."""

@@ -56,6 +56,7 @@ _MIN_HEADROOM = 2 * 1024 * 1024
 # Writer operations.
 _PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
 _OB_PUT, _OB_DEL = 9, 10  # upstream outbox (gateway/upstream/)
+_Q_SENT = 11  # a queue row's Packet Identifier and state, patched in place (records.patch_delivery)
 
 
 class StoreError(Exception):
@@ -93,12 +94,12 @@ class StoreSettings:
 
 
 def _drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Leave out queue-row updates (a Packet Identifier recorded for a send) whose row the same transaction
+    """Leave out queue-row patches (a Packet Identifier recorded for a send) whose row the same transaction
     deletes anyway (the PUBACK came before the commit): the committed state is the same, with fewer writes."""
     deleted = {op[1] for op in ops if op[0] == _Q_DEL}
     if not deleted:
         return ops
-    return [op for op in ops if op[0] != _Q_PUT or op[3] is not None or op[1] not in deleted]
+    return [op for op in ops if op[0] != _Q_SENT or op[1] not in deleted]
 
 
 class LmdbPager:
@@ -181,6 +182,7 @@ class LmdbStore:
         self._seq = 1
         self._next_mid_hint = 1
         self._outbox_loaded: dict[str, list[OutboxRecord]] = {}
+        self._prefixes: dict[str, bytes] = {}  # client id -> its key prefix
         self._lock_fd: int | None = None
         self.used_bytes = 0
         limit = settings.max_size
@@ -458,13 +460,17 @@ class LmdbStore:
             kind = op[0]
             if kind == _Q_PUT:
                 _, key, value, message = op
-                if message is not None:
-                    self._ref(txn, message)
+                self._ref(txn, message)
                 txn.put(key, value, db=dbs[4])
             elif kind == _Q_DEL:
                 value = txn.pop(op[1], db=dbs[4])
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
+            elif kind == _Q_SENT:
+                _, key, packet_id, state = op
+                value = txn.get(key, db=dbs[4])
+                if value is not None:
+                    txn.put(key, rec.patch_delivery(value, packet_id, state), db=dbs[4])
             elif kind == _PUT:
                 txn.put(op[2], op[3], db=dbs[op[1]])
             elif kind == _DEL:
@@ -702,22 +708,32 @@ class LmdbStore:
     def subscription_deleted(self, client_id: str, key: str) -> None:
         self._record((_DEL, 3, rec.client_prefix(client_id) + key.encode("utf-8")))
 
+    def _prefix(self, client_id: str) -> bytes:
+        prefix = self._prefixes.get(client_id)
+        if prefix is None:
+            if len(self._prefixes) >= 10_000:
+                self._prefixes.clear()
+            prefix = self._prefixes[client_id] = rec.client_prefix(client_id)
+        return prefix
+
     def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
         seq = delivery.seq
-        message = None  # only a new row takes a reference to its message
-        if not seq:
+        if seq:
+            # The row exists (or is recorded before this): only its Packet Identifier and state change.
+            self._ops.append((_Q_SENT, self._prefix(client_id) + rec.u64(seq), delivery.packet_id, delivery.state))
+        else:
             seq = delivery.seq = self._seq
             self._seq = seq + 1
-            message = delivery.message
+            message = delivery.message  # a new row takes a reference to its message
             if message.mid >= self._next_mid_hint:
                 self._next_mid_hint = message.mid + 1
-        self._ops.append((_Q_PUT, rec.client_prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message))
+            self._ops.append((_Q_PUT, self._prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message))
         if not self._submit_scheduled:
             self._schedule()
 
     def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
         if delivery.seq:
-            self._record((_Q_DEL, rec.client_prefix(client_id) + rec.u64(delivery.seq)))
+            self._record((_Q_DEL, self._prefix(client_id) + rec.u64(delivery.seq)))
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)

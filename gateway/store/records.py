@@ -126,6 +126,12 @@ def encode_delivery(d: Delivery) -> bytes:
     return head + struct.pack(f"!{len(d.sub_ids)}I", *d.sub_ids)
 
 
+def patch_delivery(data: bytes, packet_id: int, state: int) -> bytes:
+    """:func:`encode_delivery`'s record ``data`` with another Packet Identifier and state (a send, or PUBREC
+    received), the rest kept as it is."""
+    return data[:10] + _U16.pack(packet_id) + bytes((state,)) + data[13:]
+
+
 def decode_delivery(data: bytes, message: Message | None = None) -> tuple[int, Delivery]:
     """``(mid, delivery)`` of :func:`encode_delivery`'s record; the delivery's ``message`` is ``message`` or a
     placeholder until the caller links it."""
