@@ -176,6 +176,8 @@ class LmdbStore:
         self._refs: dict[int, int] = {}  # mid -> references, for messages referenced more than once
         self._undo: list[tuple[int, int | None]] = []
         self._last_put_mid = 0
+        self._top_mid = 0  # no message row has a higher mid (see _apply)
+        self._enc: tuple[int, bytes] = (0, b"")  # the last message record encoded on the loop, by mid
         self.committed_seq = 0  # every queue row with a seq <= this was committed
         self.map_lock = threading.Lock()  # no read transaction may be open while the writer resizes the map
         self._inflight_seq: deque[int] = deque()
@@ -361,11 +363,14 @@ class LmdbStore:
                 outbox.setdefault(link, []).append(OutboxRecord(rec.from_u64(rest), msg, qos, topic))
                 refs[mid] = refs.get(mid, 0) + 1
             orphans = [bytes(k) for k, _ in txn.cursor(db=messages) if rec.from_u64(bytes(k)) not in refs]
+            cursor = txn.cursor(db=messages)
+            top = rec.from_u64(bytes(cursor.key())) if cursor.last() else 0
         self._refs = {mid: count for mid, count in refs.items() if count > 1}
         self._outbox_loaded = outbox
         self._seq = int(next_seq) if next_seq is not None else 1
         self.committed_seq = self._seq - 1
         state.next_mid = int(next_mid) if next_mid is not None else 1
+        self._top_mid = max(top, state.next_mid - 1)
         state.sessions = list(sessions.values())
         self.expired_on_load = len(expired_sessions), len(expired_rows) + len(expired_retained)
         if not cleanup:
@@ -428,6 +433,8 @@ class LmdbStore:
 
     def _ref(self, txn: Any, message: Message) -> None:
         mid = message.mid
+        if mid > self._top_mid:
+            self._top_mid = mid  # its row is written now: later queue rows of it must count a reference
         refs = self._refs
         count = refs.get(mid)
         if count is None:
@@ -455,14 +462,38 @@ class LmdbStore:
             refs[mid] = count - 1
 
     def _apply(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
+        """Apply ``ops`` in order. Queue rows of messages newer than any stored (``_top_mid``) are gathered and
+        written with one ``putmulti`` per database, before the next operation of any other kind: such a
+        message has no row and no count yet; a repeat of the last one (fan-out to several sessions) counts
+        a reference."""
         dbs = self.dbs
+        refs = self._refs
+        new_messages: list[tuple[bytes, bytes]] = []
+        new_rows: list[tuple[bytes, bytes]] = []
         for op in ops:
             kind = op[0]
             if kind == _Q_PUT:
-                _, key, value, message = op
+                _, key, value, message, record = op
+                mid = message.mid
+                top = self._top_mid
+                if mid > top:
+                    new_messages.append((rec.u64(mid), record))
+                    new_rows.append((key, value))
+                    self._top_mid = mid
+                    continue
+                if new_messages and mid == top:
+                    self._undo.append((mid, refs.get(mid)))
+                    refs[mid] = refs.get(mid, 1) + 1
+                    new_rows.append((key, value))
+                    continue
+                if new_rows:
+                    self._put_new(txn, new_messages, new_rows)
                 self._ref(txn, message)
                 txn.put(key, value, db=dbs[4])
-            elif kind == _Q_DEL:
+                continue
+            if new_rows:
+                self._put_new(txn, new_messages, new_rows)
+            if kind == _Q_DEL:
                 value = txn.pop(op[1], db=dbs[4])
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
@@ -507,6 +538,17 @@ class LmdbStore:
                 value = txn.pop(op[1], db=dbs[7])
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
+        if new_rows:
+            self._put_new(txn, new_messages, new_rows)
+        # _top_mid stays raised even if this transaction fails: a higher bound only sends more queue rows down
+        # the one-at-a-time path, which is right for any message.
+
+    def _put_new(self, txn: Any, messages: list[tuple[bytes, bytes]], rows: list[tuple[bytes, bytes]]) -> None:
+        txn.cursor(db=self.dbs[1]).putmulti(messages)
+        txn.cursor(db=self.dbs[4]).putmulti(rows)
+        self._last_put_mid = self._top_mid
+        messages.clear()
+        rows.clear()
 
     def _write_loop(self) -> None:
         q = self._queue
@@ -725,9 +767,15 @@ class LmdbStore:
             seq = delivery.seq = self._seq
             self._seq = seq + 1
             message = delivery.message  # a new row takes a reference to its message
-            if message.mid >= self._next_mid_hint:
-                self._next_mid_hint = message.mid + 1
-            self._ops.append((_Q_PUT, self._prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message))
+            mid = message.mid
+            if mid >= self._next_mid_hint:
+                self._next_mid_hint = mid + 1
+            enc = self._enc
+            if enc[0] != mid:
+                # Encoded here, not on the writer thread: a commit is the publishers' critical path.
+                enc = self._enc = (mid, rec.encode_message(message))
+            self._ops.append((_Q_PUT, self._prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message,
+                              enc[1]))
         if not self._submit_scheduled:
             self._schedule()
 
