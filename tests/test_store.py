@@ -766,7 +766,9 @@ def test_store_stats_inspect_compact(tmp_path: Path, clients: Clients) -> None:
     assert "sessions         2" in lines
     assert "queued           9 deliveries" in lines
     assert "retained         1" in lines
-    assert "messages         6 stored payloads" in lines  # 5 queued payloads, each stored once, + 1 retained
+    # The 4 cli/a/x payloads (queued for both sessions) and the retained one are stored once each and referenced;
+    # cli/b, queued for cli5 alone, is stored in its queue row.
+    assert "messages         5 stored payloads shared by reference, 1 stored in their queue row" in lines
     assert "  queue 'cli5': 5" in lines and "  queue 'cli311': 4" in lines
 
     inspect = store_cli(tmp_path, "inspect")
@@ -785,8 +787,8 @@ def test_store_stats_inspect_compact(tmp_path: Path, clients: Clients) -> None:
     assert "compacted var: " in compact.stderr and "(" in compact.stderr
     assert not (tmp_path / "var.old").exists() and not (tmp_path / "var.compact-tmp").exists()
     again = store_stats(tmp_path)
-    assert (again["sessions"], again["queue_entries"], again["messages_entries"], again["retained_entries"]) == \
-        (2, 9, 6, 1)
+    assert (again["sessions"], again["queue_entries"], again["messages_entries"], again["inline_messages"],
+            again["retained_entries"]) == (2, 9, 5, 1, 1)
 
     broker = BrokerProcess(CONFIG, workdir=str(tmp_path)).start()
     try:

@@ -33,6 +33,7 @@ from gateway.broker.message import Delivery, Message
 from gateway.broker.session import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
+from gateway.store import records as rec
 from gateway.store.lmdb_store import LmdbStore, StoreSettings, _drop_superseded
 
 
@@ -376,7 +377,11 @@ def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(
         ops = _drop_superseded([*updates, *paged.store._ops[len(updates):]])
         assert [op[1] for op in ops] == [updates[1][1], updates[0][1]]  # second's update, first's delete
         paged.commit()
-        assert paged.rows() == (1, 1)
+        assert paged.rows() == (1, 0)  # second's row, its message stored in it (records.inline_message)
+        assert paged.store.env is not None
+        with paged.store.env.begin() as txn:
+            (value,) = [bytes(v) for _k, v in txn.cursor(db=paged.store.dbs[4])]
+        assert rec.decode_delivery(value)[1].packet_id == 2  # the update was patched into the row
     finally:
         paged.close()
 
@@ -411,8 +416,9 @@ def test_mqtt_3_1_2_11_paged_queue_kept_when_session_expiry_drops_to_0(paging_br
 
 def test_paged_row_without_its_message_is_forgotten_and_the_rest_drains(tmp_path: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    """A damaged store (a paged queue row whose message row is gone) costs that one entry, with an error logged;
-    every other entry still drains in order and the queue's counts end at zero."""
+    """A damaged store (a paged queue row whose message is gone: here the record it carried is cut off, so it
+    points at a message row that does not exist) costs that one entry, with an error logged; every other entry
+    still drains in order and the queue's counts end at zero."""
     paged = PagedSession(tmp_path / "store", 0, 2)
     try:
         for tag in range(1, 11):
@@ -421,8 +427,13 @@ def test_paged_row_without_its_message_is_forgotten_and_the_rest_drains(tmp_path
         paged.session.mqueue.page_out()
         assert paged.session.mqueue.paged == 8
         assert paged.store.env is not None
+        (seq,) = [seq for seq, tag in paged.tags.items() if tag == 6]
+        key = rec.client_prefix("sub") + rec.u64(seq)
         with paged.store.env.begin(write=True) as txn:
-            assert txn.delete((6).to_bytes(8, "big"), db=paged.store.dbs[1])  # message 6 (mid = tag)
+            value = bytes(txn.get(key, db=paged.store.dbs[4]))
+            inline = rec.inline_message(value)
+            assert inline is not None and txn.get(rec.u64(6), db=paged.store.dbs[1]) is None
+            txn.put(key, value[:-len(inline)], db=paged.store.dbs[4])
         drained = []
         while paged.session.mqueue:
             drained.append(paged.pop()[0])

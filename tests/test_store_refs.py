@@ -1,8 +1,9 @@
 """Message rows and their references in the LMDB store (DESIGN.md §4: "Payloads are stored once and referenced by
 queue entries"), checked against a reference model on a real LmdbStore and a real event loop.
 
-The writer thread writes the queue rows of brand-new messages in bulk (one ``putmulti`` per database) and counts
-a repeat of the last one as another reference (one message queued for several sessions). Every other reference
+The writer thread writes the queue rows of brand-new messages in bulk (one ``putmulti`` per database): a message
+queued for one session only is stored in that queue row, one queued for several sessions in the same commit gets
+one message row referenced that many times. Every other reference
 (a retained message, an older message queued later, as when a retained message is delivered to a new
 subscription) goes through the one-at-a-time path. Hypothesis mixes all of these with deletes, commits at random
 points and reopenings of the store. After every commit the store must hold exactly one row for each message that
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.session import NEVER, Session
+from gateway.store import records as rec
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
 
 SESSIONS = ("a", "b", "c")
@@ -48,6 +50,7 @@ class Store:
         self.queues: dict[str, list[Delivery]] = {cid: [] for cid in SESSIONS}
         self.retained: dict[str, Message] = {}
         self.messages: list[Message] = []
+        self.inline: set[int] = set()  # messages stored only in queue rows, as of the last check()
 
     def _open(self) -> LmdbStore:
         store = LmdbStore(StoreSettings(path=str(self.path), mqueue_mem_len=0), ZoneLimits)
@@ -106,18 +109,32 @@ class Store:
         assert sorted(m.mid for m in self.loaded.retained) == sorted(m.mid for m in self.retained.values())
 
     def check(self) -> None:
-        """Committed store == model: one message row per referenced message, and queue rows per session."""
+        """The committed store holds the model's queues (in order) and retained messages. Each queue row carries
+        its message or references a message row; message rows are exactly the messages referenced by rows that
+        do not carry them, and the writer counts those references where there is more than one."""
         self.commit()
-        referenced = Counter(d.message.mid for queue in self.queues.values() for d in queue)
-        referenced.update(m.mid for m in self.retained.values())
         assert self.store.env is not None
+        dbs = self.store.dbs
+        queues: dict[str, list[int]] = {cid: [] for cid in SESSIONS}
+        referenced: Counter[int] = Counter()
         with self.store.env.begin() as txn:
-            rows = {int.from_bytes(bytes(k), "big") for k, _ in txn.cursor(db=self.store.dbs[1])}
-            queue_rows = txn.stat(self.store.dbs[4])["entries"]
+            rows = {rec.from_u64(bytes(k)) for k, _ in txn.cursor(db=dbs[1])}
+            for key, value in txn.cursor(db=dbs[4]):
+                cid, _ = rec.split_client_key(bytes(key))
+                mid = rec.from_u64(bytes(value))
+                queues[cid].append(mid)
+                inline = rec.inline_message(bytes(value))
+                if inline is None:
+                    referenced[mid] += 1
+                else:
+                    assert rec.decode_message(mid, inline).payload == b"%d" % mid
+            retained = {bytes(k).decode(): rec.from_u64(bytes(v)) for k, v in txn.cursor(db=dbs[6])}
+        referenced.update(retained.values())
+        assert queues == {cid: [d.message.mid for d in q] for cid, q in self.queues.items()}
+        assert retained == {topic: m.mid for topic, m in self.retained.items()}
         assert rows == set(referenced)
-        assert queue_rows == sum(len(q) for q in self.queues.values())
-        # The writer's counts of messages referenced more than once match the model's.
         assert self.store._refs == {mid: n for mid, n in referenced.items() if n > 1}
+        self.inline = {mid for q in queues.values() for mid in q} - rows
 
     def close(self) -> None:
         self.commit()
@@ -146,9 +163,25 @@ def test_message_rows_match_their_references(ops: list[tuple[object, ...]]) -> N
             model.close()
 
 
+def test_a_message_for_one_session_is_stored_in_its_queue_row_and_shared_ones_once(tmp_path: Path) -> None:
+    """DESIGN.md §4, payloads stored once: message 1 queued for ``a`` only is stored in ``a``'s queue row (no
+    message row); message 2 queued for ``a``, ``b`` and ``c`` in the same commit has one message row referenced
+    three times; a retained message 3 also queued for ``a`` has one row referenced twice."""
+    model = Store(tmp_path / "store")
+    try:
+        model.publish({"a"}, False)
+        model.publish({"a", "b", "c"}, False)
+        model.publish({"a"}, True)
+        model.check()
+        assert model.inline == {1}
+        assert model.store._refs == {2: 3, 3: 2}
+    finally:
+        model.close()
+
+
 def test_an_older_message_queued_behind_new_ones_in_one_commit_keeps_its_row(tmp_path: Path) -> None:
-    """Message 1 queued for ``a``, message 2 for ``a``, then message 1 again for ``b``, all in one commit: message
-    1 has two references, so ``a``'s acknowledgement must leave its row for ``b``."""
+    """Message 1 queued for ``a``, message 2 for ``a``, then message 1 again for ``b``, all in one commit: ``b``'s
+    reference gets a message row, so ``a``'s acknowledgement leaves ``b`` its message, also after a reopening."""
     model = Store(tmp_path / "store")
     try:
         model.publish({"a"}, False)
@@ -159,5 +192,39 @@ def test_an_older_message_queued_behind_new_ones_in_one_commit_keeps_its_row(tmp
         model.check()
         model.reopen()
         assert [d.message.payload for d in model.queues["b"]] == [b"1"]
+    finally:
+        model.close()
+
+
+def test_a_version_1_store_reads_the_same_and_is_marked_version_2(tmp_path: Path) -> None:
+    """A store written before queue rows could carry their message (format 1: every queue row references a message
+    row) loads with the same queue; acknowledging the entry removes its message row; the store is then marked
+    format 2, which this code also reads."""
+    path = tmp_path / "store"
+    model = Store(path)
+    model.close()
+    store = LmdbStore(StoreSettings(path=str(path)), ZoneLimits)
+    store.load(0.0)
+    assert store.env is not None
+    message = Message(7, "t/old", b"old", 1, False, {}, 0.0)
+    with store.env.begin(write=True) as txn:
+        meta, messages, _s, _subs, queue_db, *_ = store.dbs
+        txn.put(b"format", b"1", db=meta)
+        txn.put(b"next_mid", b"8", db=meta)
+        txn.put(rec.u64(7), rec.encode_message(message), db=messages)
+        txn.put(rec.client_prefix("a") + rec.u64(1), rec.encode_delivery(Delivery(message, 1)), db=queue_db)
+    store.close()
+
+    model = Store(path)
+    try:
+        (queued,) = [list(s.mqueue) for s in model.loaded.sessions if s.client_id == "a"]
+        assert [(d.message.topic, d.message.payload) for d in queued] == [("t/old", b"old")]
+        assert model.store.env is not None
+        with model.store.env.begin() as txn:
+            assert txn.get(b"format", db=model.store.dbs[0]) == b"2"
+        model.store.delivery_deleted("a", queued[0])
+        model.commit()
+        with model.store.env.begin() as txn:
+            assert txn.stat(model.store.dbs[1])["entries"] == 0 and txn.stat(model.store.dbs[4])["entries"] == 0
     finally:
         model.close()

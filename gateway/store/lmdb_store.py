@@ -7,9 +7,12 @@
 - ``when_durable`` callbacks (PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK) run on the loop, in order, once the
   batch holding everything recorded before them is committed. Changes nobody waits for wait up to
   ``lazy_commit`` (5 ms) to share a commit with later work.
-- Payloads are stored once (``messages``) and reference-counted by queue, inbound, retained and outbox rows; the
-  counts of messages referenced more than once live on the writer thread (a message row alone means one
-  reference, so a backlog costs no memory per message) and are rebuilt on open.
+- Payloads are stored once. A message that a single queue row references when it is first stored is stored in
+  that row (one write and one delete instead of two each). Any other message has a ``messages`` row,
+  reference-counted by queue, inbound, retained and outbox rows; the counts of messages referenced more than once
+  live on the writer thread (a message row alone means one reference, so a backlog costs no memory per message)
+  and are rebuilt on open. A message stored in its queue row and referenced again later (rare: the same message
+  queued for another session in a later commit) gets a message row for the new references.
 - Message Queues of persistent sessions page: beyond ``mqueue_mem_len`` entries in memory, queued messages stay only
   in the store and are read back on the loop (a read transaction) as the queue drains (:class:`LmdbPager`).
 - The data file is written a few MiB ahead of LMDB's last page (zeros, within the map), so commits overwrite
@@ -136,7 +139,9 @@ class LmdbPager:
                 if seq > upto:
                     break
                 mid = rec.from_u64(value)
-                raw = txn.get(value[:8], db=messages)  # the record starts with the mid, as the key is made
+                raw = rec.inline_message(value)
+                if raw is None:
+                    raw = txn.get(value[:8], db=messages)  # the record starts with the mid, as the key is made
                 if raw is None:
                     _mid, delivery = rec.decode_delivery(value)
                     delivery.dropped = True  # no message to deliver: the queue forgets it
@@ -273,7 +278,7 @@ class LmdbStore:
         mem_len = self.settings.mqueue_mem_len
         with self.env.begin() as txn:
             version = txn.get(b"format", db=meta)
-            if version is not None and int(version) != rec.FORMAT_VERSION:
+            if version is not None and int(version) not in rec.FORMAT_VERSIONS:
                 raise ValueError(f"unknown store format {version!r}")
             next_mid = txn.get(b"next_mid", db=meta)
             next_seq = txn.get(b"next_seq", db=meta)
@@ -307,25 +312,29 @@ class LmdbStore:
                 if session is None:
                     expired_rows.append(bytes(key))
                     continue
-                mid, delivery = rec.decode_delivery(bytes(value))
+                value = bytes(value)
+                mid, delivery = rec.decode_delivery(value)
+                inline = rec.inline_message(value)  # stored in this row: not a reference to a message row
                 mqueue = session.mqueue
                 if not delivery.packet_id and (mqueue.paged or (mem_len and len(mqueue) >= mem_len)):
                     # Beyond the in-memory part of the queue: account it, leave it in the store.
-                    raw = txn.get(rec.u64(mid), db=messages)
+                    raw = inline if inline is not None else txn.get(rec.u64(mid), db=messages)
                     if raw is None or (delivery.expires_at is not None and now >= delivery.expires_at):
                         expired_rows.append(bytes(key))
                         continue
                     mqueue.add_paged(rec.from_u64(rest), delivery.qos, rec.payload_length(raw))
-                    refs[mid] = refs.get(mid, 0) + 1
+                    if inline is None:
+                        refs[mid] = refs.get(mid, 0) + 1
                     continue
-                msg = message(mid)
+                msg = message(mid) if inline is None else rec.decode_message(mid, inline)
                 if msg is None or (delivery.expires_at is not None and now >= delivery.expires_at
                                    and not delivery.packet_id):
                     expired_rows.append(bytes(key))
                     continue
                 delivery.message = msg
                 delivery.seq = rec.from_u64(rest)
-                refs[mid] = refs.get(mid, 0) + 1
+                if inline is None:
+                    refs[mid] = refs.get(mid, 0) + 1
                 if delivery.packet_id:
                     session.inflight[delivery.packet_id] = delivery
                     session.next_packet_id = delivery.packet_id % 65535 + 1
@@ -414,8 +423,8 @@ class LmdbStore:
             while cursor.key().startswith(prefix):
                 if db is not subs_db:
                     value = bytes(cursor.value())
-                    mid = rec.from_u64(value)
-                    self._unref(txn, mid)
+                    if db is not queue_db or rec.inline_message(value) is None:
+                        self._unref(txn, rec.from_u64(value))
                 if not cursor.delete():
                     break
             cursor.close()
@@ -467,35 +476,26 @@ class LmdbStore:
         message has no row and no count yet; a repeat of the last one (fan-out to several sessions) counts
         a reference."""
         dbs = self.dbs
-        refs = self._refs
-        new_messages: list[tuple[bytes, bytes]] = []
-        new_rows: list[tuple[bytes, bytes]] = []
+        run: list[tuple[int, bytes, bytes, bytes]] = []  # queue rows of new messages: (mid, record, key, value)
         for op in ops:
             kind = op[0]
             if kind == _Q_PUT:
                 _, key, value, message, record = op
                 mid = message.mid
-                top = self._top_mid
-                if mid > top:
-                    new_messages.append((rec.u64(mid), record))
-                    new_rows.append((key, value))
+                if mid > self._top_mid or (run and mid == run[-1][0]):
+                    run.append((mid, record, key, value))
                     self._top_mid = mid
                     continue
-                if new_messages and mid == top:
-                    self._undo.append((mid, refs.get(mid)))
-                    refs[mid] = refs.get(mid, 1) + 1
-                    new_rows.append((key, value))
-                    continue
-                if new_rows:
-                    self._put_new(txn, new_messages, new_rows)
+                if run:
+                    self._put_new(txn, run)
                 self._ref(txn, message)
                 txn.put(key, value, db=dbs[4])
                 continue
-            if new_rows:
-                self._put_new(txn, new_messages, new_rows)
+            if run:
+                self._put_new(txn, run)
             if kind == _Q_DEL:
                 value = txn.pop(op[1], db=dbs[4])
-                if value is not None:
+                if value is not None and rec.inline_message(value) is None:
                     self._unref(txn, rec.from_u64(value))
             elif kind == _Q_SENT:
                 _, key, packet_id, state = op
@@ -538,17 +538,39 @@ class LmdbStore:
                 value = txn.pop(op[1], db=dbs[7])
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
-        if new_rows:
-            self._put_new(txn, new_messages, new_rows)
+        if run:
+            self._put_new(txn, run)
         # _top_mid stays raised even if this transaction fails: a higher bound only sends more queue rows down
         # the one-at-a-time path, which is right for any message.
 
-    def _put_new(self, txn: Any, messages: list[tuple[bytes, bytes]], rows: list[tuple[bytes, bytes]]) -> None:
-        txn.cursor(db=self.dbs[1]).putmulti(messages)
+    def _put_new(self, txn: Any, run: list[tuple[int, bytes, bytes, bytes]]) -> None:
+        """Write a run of queue rows of new messages (a message's rows are consecutive) with one ``putmulti``
+        per database. A message with one row is stored in that row (records.inline_message); one with several
+        gets a message row, referenced that many times."""
+        messages: list[tuple[bytes, bytes]] = []
+        rows: list[tuple[bytes, bytes]] = []
+        refs = self._refs
+        last = len(run) - 1
+        shared = 0
+        for i, (mid, record, key, value) in enumerate(run):
+            if shared or (i < last and run[i + 1][0] == mid):
+                if not shared:
+                    messages.append((rec.u64(mid), record))
+                shared += 1
+                rows.append((key, value))
+                if i == last or run[i + 1][0] != mid:
+                    self._undo.append((mid, None))
+                    refs[mid] = shared
+                    shared = 0
+            else:
+                rows.append((key, value + record))
+        if messages:
+            txn.cursor(db=self.dbs[1]).putmulti(messages)
         txn.cursor(db=self.dbs[4]).putmulti(rows)
-        self._last_put_mid = self._top_mid
-        messages.clear()
-        rows.clear()
+        # _ref's shortcut ("the last message row put has one reference") must not take an inline message for
+        # one with a row: a later reference to it then writes its row.
+        self._last_put_mid = 0
+        run.clear()
 
     def _write_loop(self) -> None:
         q = self._queue
@@ -898,14 +920,21 @@ class LmdbStore:
                 out[f"{name}_entries"] = s["entries"]
                 used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
             out["used_bytes"] = used
+            inline_count = 0
             for key, value in txn.cursor(db=self.dbs[4]):
                 cid, _ = rec.split_client_key(bytes(key))
                 depths[cid] = depths.get(cid, 0) + 1
-                mid = rec.from_u64(bytes(value))
-                raw = txn.get(rec.u64(mid), db=self.dbs[1])
+                value = bytes(value)
+                mid = rec.from_u64(value)
+                raw = rec.inline_message(value)
+                if raw is not None:
+                    inline_count += 1
+                else:
+                    raw = txn.get(rec.u64(mid), db=self.dbs[1])
                 if raw is not None:
                     received = rec.decode_message(mid, bytes(raw)).received_at
                     oldest = received if oldest is None else min(oldest, received)
+            out["inline_messages"] = inline_count
         out["sessions"] = out["sessions_entries"]
         out["queue_depths"] = depths
         out["oldest_message_age"] = None if oldest is None else max(0.0, now - oldest)

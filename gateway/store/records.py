@@ -11,7 +11,9 @@ meta        name (ASCII)                            JSON
 messages    mid (8 bytes BE)                        :func:`encode_message`
 sessions    client id (UTF-8)                       :func:`encode_session`
 subs        client id, 0x00, filter as written      :func:`encode_subscription`
-queue       client id, 0x00, seq (8 bytes BE)       :func:`encode_delivery` (inflight when packet_id != 0)
+queue       client id, 0x00, seq (8 bytes BE)       :func:`encode_delivery` (inflight when packet_id != 0), then
+                                                    the :func:`encode_message` record when no other row
+                                                    references the message (:func:`inline_message`)
 inbound     client id, 0x00, Packet Identifier (2)  mid (8), received_at (float64)
 retained    topic (UTF-8)                           mid (8 bytes BE)
 outbox      upstream name, 0x00, seq (8 bytes BE)   :func:`encode_outbox`: mid (8), QoS (1), remote topic
@@ -32,7 +34,8 @@ from gateway.mqtt.packets import PUBLISH, Will
 from gateway.mqtt.primitives import decode_binary, decode_string, decode_vbi, encode_binary, encode_string
 from gateway.mqtt.properties import NO_PROPERTIES, WILL, decode_properties, encode_properties
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: queue rows may carry their message (version 1 rows never do, so they read the same)
+FORMAT_VERSIONS = (1, 2)  # what this code reads
 
 _MSG = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
 _DEL = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_at, n_sub_ids
@@ -124,6 +127,14 @@ def encode_delivery(d: Delivery) -> bytes:
     if not d.sub_ids:
         return head
     return head + struct.pack(f"!{len(d.sub_ids)}I", *d.sub_ids)
+
+
+def inline_message(data: bytes) -> bytes | None:
+    """The message record a queue row carries after its :func:`encode_delivery` record (a message that nothing
+    else referenced when it was stored: it is stored once, in that row), or ``None`` when the row references a
+    ``messages`` row by mid."""
+    size = _DEL.size + 4 * data[_DEL.size - 1]
+    return data[size:] if len(data) > size else None
 
 
 def patch_delivery(data: bytes, packet_id: int, state: int) -> bytes:

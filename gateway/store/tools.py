@@ -40,7 +40,8 @@ def stats(settings: StoreSettings, out: TextIO = sys.stdout, as_json: bool = Fal
     out.write(f"data file        {info['file_size']} bytes (map {info['map_size']}, max_size {info['max_size']})\n")
     out.write(f"used             {info['used_bytes']} bytes\n")
     out.write(f"sessions         {info['sessions']}\n")
-    out.write(f"messages         {info['messages_entries']} stored payloads\n")
+    out.write(f"messages         {info['messages_entries']} stored payloads shared by reference, "
+              f"{info['inline_messages']} stored in their queue row\n")
     out.write(f"queued           {info['queue_entries']} deliveries\n")
     out.write(f"inbound QoS 2    {info['inbound_entries']} awaiting PUBREL\n")
     out.write(f"retained         {info['retained_entries']}\n")
