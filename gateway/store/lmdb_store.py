@@ -132,23 +132,18 @@ class LmdbPager:
             cursor = txn.cursor(db=queue_db)
             if not cursor.set_range(prefix + rec.u64(after + 1)):
                 return out
+            decode, carries = rec.decode_queued, rec.carries_message
             for key, value in cursor.iternext():
                 if not key.startswith(prefix):
                     break
                 seq = rec.from_u64(key, start)
                 if seq > upto:
                     break
-                mid = rec.from_u64(value)
-                raw = rec.inline_message(value)
-                if raw is None:
-                    raw = txn.get(value[:8], db=messages)  # the record starts with the mid, as the key is made
-                if raw is None:
-                    _mid, delivery = rec.decode_delivery(value)
-                    delivery.dropped = True  # no message to deliver: the queue forgets it
+                if carries(value):
+                    out.append(decode(value, seq))
                 else:
-                    _mid, delivery = rec.decode_delivery(value, rec.decode_message(mid, raw))
-                delivery.seq = seq
-                out.append(delivery)
+                    # The record starts with the mid, as the message row's key is made.
+                    out.append(decode(value, seq, txn.get(value[:8], db=messages)))
                 if len(out) >= limit:
                     break
         return out
@@ -423,7 +418,7 @@ class LmdbStore:
             while cursor.key().startswith(prefix):
                 if db is not subs_db:
                     value = bytes(cursor.value())
-                    if db is not queue_db or rec.inline_message(value) is None:
+                    if db is not queue_db or not rec.carries_message(value):
                         self._unref(txn, rec.from_u64(value))
                 if not cursor.delete():
                     break
@@ -495,7 +490,7 @@ class LmdbStore:
                 self._put_new(txn, run)
             if kind == _Q_DEL:
                 value = txn.pop(op[1], db=dbs[4])
-                if value is not None and rec.inline_message(value) is None:
+                if value is not None and not rec.carries_message(value):
                     self._unref(txn, rec.from_u64(value))
             elif kind == _Q_SENT:
                 _, key, packet_id, state = op

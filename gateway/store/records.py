@@ -77,23 +77,31 @@ def _unopt(value: float) -> float | None:
     return None if value == _NONE else value
 
 
+_NAMES: dict[tuple[str, str | None], bytes] = {}  # (topic, sender) -> their encoding; a few thousand at most
+
+
 def encode_message(m: Message) -> bytes:
-    """A stored Application Message: header, topic, sender, PUBLISH properties, payload."""
+    """A stored Application Message: header, topic, sender, PUBLISH properties, payload. The encoded topic and
+    sender are cached (publishers repeat them); the cache is emptied when it reaches 4096 pairs."""
+    names = _NAMES.get((m.topic, m.sender))
+    if names is None:
+        if len(_NAMES) >= 4096:
+            _NAMES.clear()
+        names = _NAMES[(m.topic, m.sender)] = encode_string(m.topic) + encode_string(m.sender or "")
     return b"".join((
         _MSG.pack(m.qos, 1 if m.retain else 0, m.received_at, _opt(m.expires_at)),
-        encode_string(m.topic),
-        encode_string(m.sender or ""),
-        encode_properties(m.properties),
+        names,
+        encode_properties(m.properties) if m.properties else b"\x00",
         m.payload,
     ))
 
 
-def decode_message(mid: int, data: bytes) -> Message:
-    """Inverse of :func:`encode_message` (on the paths that page queues back in: no re-validation of what
-    :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/``UnicodeDecodeError`` on a damaged
-    record."""
-    qos, flags, received_at, expires_at = _MSG.unpack_from(data, 0)
-    pos = _MSG.size
+def decode_message(mid: int, data: bytes, pos: int = 0) -> Message:
+    """Inverse of :func:`encode_message`, for the record at ``pos`` (on the paths that page queues back in: no
+    re-validation of what :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/
+    ``UnicodeDecodeError`` on a damaged record."""
+    qos, flags, received_at, expires_at = _MSG.unpack_from(data, pos)
+    pos += _MSG.size
     (n,) = _U16.unpack_from(data, pos)
     pos += 2
     topic = str(data[pos:pos + n], "utf-8")
@@ -127,6 +135,30 @@ def encode_delivery(d: Delivery) -> bytes:
     if not d.sub_ids:
         return head
     return head + struct.pack(f"!{len(d.sub_ids)}I", *d.sub_ids)
+
+
+def decode_queued(value: bytes, seq: int, stored: bytes | None = None) -> Delivery:
+    """A queue row read back to be delivered: its delivery with the message the row carries
+    (:func:`inline_message`), else the one in ``stored`` (the ``messages`` row it references); marked ``dropped``
+    when neither is there (a damaged store). One pass over the row: the paging hot path."""
+    mid, qos, retain, packet_id, state, expires_at, n = _DEL.unpack_from(value, 0)
+    pos = _DEL.size
+    sub_ids = list(struct.unpack_from(f"!{n}I", value, pos)) if n else NO_IDS
+    pos += 4 * n
+    dropped = False
+    if len(value) > pos:
+        message = decode_message(mid, value, pos)
+    elif stored is not None:
+        message = decode_message(mid, stored)
+    else:
+        message = Message(mid, "", b"", 0, False, NO_PROPERTIES, 0.0)
+        dropped = True
+    return Delivery(message, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at), dropped, seq)
+
+
+def carries_message(data: bytes) -> bool:
+    """True when a queue row carries its message (:func:`inline_message` is not ``None``), without copying it."""
+    return len(data) > _DEL.size + 4 * data[_DEL.size - 1]
 
 
 def inline_message(data: bytes) -> bytes | None:
