@@ -34,7 +34,7 @@ from gateway.broker.session import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec
-from gateway.store.lmdb_store import LmdbStore, StoreSettings, _drop_superseded
+from gateway.store.lmdb_store import _Q_DEL, _Q_SENT, LmdbStore, StoreSettings, _drop_superseded
 
 
 class PagedSession:
@@ -361,8 +361,10 @@ def test_store_rows_freed_after_paged_drain(paging_broker: BrokerProcess) -> Non
 
 
 def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(tmp_path: Path) -> None:
-    """Group commit: a send's Packet Identifier update whose row the same transaction deletes (PUBACK before the
-    commit) is not written; the committed state is the same: the row and its message are gone, others stay."""
+    """Group commit: a send's Packet Identifier record whose row the same commit deletes (PUBACK before the
+    commit) is not written, whether both were recorded in one batch or in two batches that share a
+    transaction; the committed state is the same: the row and its message are gone, the other row has its
+    Packet Identifier."""
     paged = PagedSession(tmp_path / "store", 0, 100)
     try:
         for tag in (1, 2):
@@ -371,19 +373,22 @@ def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(
         first, second = paged.session.mqueue.pop(), paged.session.mqueue.pop()
         for delivery, pid in ((first, 1), (second, 2)):
             delivery.packet_id = pid
-            paged.store.delivery_saved("sub", delivery)  # in flight: the update a send records
-        updates = list(paged.store._ops)
+            paged.store.delivery_saved("sub", delivery)  # in flight: the record a send makes
         paged.store.delivery_deleted("sub", first)  # first acknowledged before anything was committed
-        ops = _drop_superseded([*updates, *paged.store._ops[len(updates):]])
-        assert [op[1] for op in ops] == [updates[1][1], updates[0][1]]  # second's update, first's delete
+        assert list(paged.store._sent) == [second.seq]
         paged.commit()
         assert paged.rows() == (1, 0)  # second's row, its message stored in it (records.inline_message)
         assert paged.store.env is not None
         with paged.store.env.begin() as txn:
             (value,) = [bytes(v) for _k, v in txn.cursor(db=paged.store.dbs[4])]
-        assert rec.decode_delivery(value)[1].packet_id == 2  # the update was patched into the row
+        assert rec.decode_delivery(value)[1].packet_id == 2  # the send was patched into the row
     finally:
         paged.close()
+    # Two batches joined in one transaction: the writer leaves out the first batch's record of a row that the
+    # second batch deletes.
+    sent = [(_Q_SENT, b"sub\x00" + rec.u64(seq), seq, 0) for seq in (1, 2)]
+    deleted = [(_Q_DEL, b"sub\x00" + rec.u64(1))]
+    assert _drop_superseded([*sent, *deleted]) == [sent[1], deleted[0]]
 
 
 def test_mqtt_3_1_2_11_paged_queue_kept_when_session_expiry_drops_to_0(paging_broker: BrokerProcess) -> None:

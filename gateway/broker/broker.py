@@ -759,10 +759,15 @@ class Broker:
         For a persistent session the Packet Identifier is recorded first; a QoS 2 PUBLISH goes out only once
         that is durable, so that after a crash the same identifier is re-sent and the receiver can recognise
         the duplicate (exactly once end to end, DESIGN.md §4)."""
-        pid = session.allocate_packet_id()
+        inflight = session.inflight
+        pid = session.next_packet_id
+        if pid in inflight:
+            pid = session.allocate_packet_id()
+        else:
+            session.next_packet_id = pid % 65535 + 1  # allocate_packet_id's answer, without the call
         delivery.packet_id = pid
         delivery.sent_at = now
-        session.inflight[pid] = delivery
+        inflight[pid] = delivery
         if session.persistent:
             self.store.delivery_saved(session.client_id, delivery)  # in flight, to re-send with DUP=1
             if delivery.qos == 2 or session.held_sends:
@@ -863,20 +868,22 @@ class Broker:
             head, tail = parts
         if dup:
             head = bytes((head[0] | 0x08,)) + head[1:]
-        size = len(head) + len(tail) + (2 if qos else 0)
-        if conn.max_packet_size is not None and size > conn.max_packet_size:
+        limit = conn.max_packet_size
+        if limit is not None and len(head) + len(tail) + (2 if qos else 0) > limit:
             self.stats.dropped["packet_too_large"] += 1
             return False
         if new_alias:
             # Only a PUBLISH actually sent sets up an alias on the client's side.
             conn.aliases_out[topic] = new_alias
         out = conn.out
-        out.append(head)
         if qos:
-            out.append(pid.to_bytes(2, "big"))
+            out.append(head + pid.to_bytes(2, "big"))
+        else:
+            out.append(head)
         out.append(tail)
-        self.stats.publish_sent += 1
-        self.stats.messages_sent += 1
+        stats = self.stats
+        stats.publish_sent += 1
+        stats.messages_sent += 1
         self.dirty.add(conn)
         return True
 

@@ -167,6 +167,9 @@ class LmdbStore:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_callbacks_done: Callable[[], None] | None = None
         self._ops: list[tuple[Any, ...]] = []
+        #: Sends of stored deliveries whose row is not patched yet, by seq: (client id, delivery). Turned into
+        #: _Q_SENT operations when the batch is handed over; a delivery deleted before that needs none.
+        self._sent: dict[int, tuple[str, Delivery]] = {}
         self._cbs: list[Callable[[], None]] = []
         self._inflight: deque[list[Callable[[], None]]] = deque()
         self._submit_scheduled = False
@@ -583,7 +586,9 @@ class LmdbStore:
                     q.put(None)
                     break
                 batches.append(more)
-            ops = _drop_superseded([op for batch in batches for op in batch[0]])
+            ops = [op for batch in batches for op in batch[0]]
+            if len(batches) > 1:
+                ops = _drop_superseded(ops)  # within one batch, a deleted delivery's send was never recorded
             ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
             ok = self._commit(ops)
@@ -708,7 +713,7 @@ class LmdbStore:
         if loop is None:
             # No event loop (tools, unit tests): commit synchronously in the caller.
             self._submit_scheduled = False
-            ops, self._ops = self._ops, []
+            ops = self._take_ops()
             cbs, self._cbs = self._cbs, []
             if self._commit(ops):
                 self.committed_seq = self._seq - 1
@@ -728,19 +733,28 @@ class LmdbStore:
         if self._lazy is not None:
             self._lazy.cancel()
             self._lazy = None
-        if not self._ops:
+        if not self._ops and not self._sent:
             if self._cbs:
                 cbs, self._cbs = self._cbs, []
                 for cb in cbs:
                     cb()
             return
-        ops, self._ops = self._ops, []
+        ops = self._take_ops()
         cbs, self._cbs = self._cbs, []
         if not self._inflight:
             self.waiting_since = time.monotonic()
         self._inflight.append(cbs)
         self._inflight_seq.append(self._seq - 1)
         self._queue.put((ops, self._next_mid_hint, self._seq))
+
+    def _take_ops(self) -> list[tuple[Any, ...]]:
+        """The open batch, with the row patches of the sends in it last (after any new row they patch)."""
+        ops, self._ops = self._ops, []
+        if self._sent:
+            prefix, u64 = self._prefix, rec.u64
+            ops.extend((_Q_SENT, prefix(cid) + u64(seq), d.packet_id, d.state) for seq, (cid, d) in self._sent.items())
+            self._sent = {}
+        return ops
 
     # ------------------------------------------------------------------------------------------ SessionStore
 
@@ -778,8 +792,9 @@ class LmdbStore:
     def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
         seq = delivery.seq
         if seq:
-            # The row exists (or is recorded before this): only its Packet Identifier and state change.
-            self._ops.append((_Q_SENT, self._prefix(client_id) + rec.u64(seq), delivery.packet_id, delivery.state))
+            # The row exists (or is recorded before this): only its Packet Identifier and state change, recorded
+            # when the batch is handed over, unless the delivery is deleted first (acknowledged at once).
+            self._sent[seq] = (client_id, delivery)
         else:
             seq = delivery.seq = self._seq
             self._seq = seq + 1
@@ -797,8 +812,11 @@ class LmdbStore:
             self._schedule()
 
     def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
-        if delivery.seq:
-            self._record((_Q_DEL, self._prefix(client_id) + rec.u64(delivery.seq)))
+        seq = delivery.seq
+        if seq:
+            if self._sent:
+                self._sent.pop(seq, None)
+            self._record((_Q_DEL, self._prefix(client_id) + rec.u64(seq)))
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)
@@ -816,7 +834,7 @@ class LmdbStore:
         self._record((_RET_DEL, topic.encode("utf-8")))
 
     def when_durable(self, callback: Callable[[], None]) -> None:
-        if self._ops or self._cbs:
+        if self._ops or self._cbs or self._sent:
             self._cbs.append(callback)
             if not self.settings.group_commit:
                 self._submit()
@@ -865,7 +883,7 @@ class LmdbStore:
 
     def pending(self) -> bool:
         """True while recorded changes or ``when_durable`` callbacks wait for a commit."""
-        return bool(self._ops or self._cbs or self._inflight)
+        return bool(self._ops or self._cbs or self._sent or self._inflight)
 
     def healthy(self, max_age: float = 30.0) -> bool:
         """True while the writer thread is alive and not stuck on a batch (for the systemd watchdog)."""
@@ -883,8 +901,8 @@ class LmdbStore:
             self._lazy.cancel()
             self._lazy = None
         if self._writer is not None:
-            if self._ops:
-                ops, self._ops = self._ops, []
+            if self._ops or self._sent:
+                ops = self._take_ops()
                 self._inflight.append(self._cbs)
                 self._inflight_seq.append(self._seq - 1)
                 self._cbs = []
