@@ -857,14 +857,16 @@ class Broker:
             head, tail = encode_publish_parts(topic, message.payload, qos, retain, props, version)
         else:
             # The common variant: encoded once per (version, QoS, RETAIN) and reused for every subscriber.
+            cache = self._enc_cache
             if self._enc_mid != message.mid:
                 self._enc_mid = message.mid
-                self._enc_cache.clear()
-            key = (version, qos, retain)
-            parts = self._enc_cache.get(key)
+                cache.clear()
+                parts = None
+            else:
+                parts = cache.get((version, qos, retain))
             if parts is None:
-                parts = self._enc_cache[key] = encode_publish_parts(topic, message.payload, qos, retain, props,
-                                                                    version)
+                parts = cache[(version, qos, retain)] = encode_publish_parts(topic, message.payload, qos, retain,
+                                                                             props, version)
             head, tail = parts
         if dup:
             head = bytes((head[0] | 0x08,)) + head[1:]
@@ -908,19 +910,21 @@ class Broker:
         session = conn.session
         assert session is not None
         inflight = session.inflight
-        store = self.store if session.persistent else None
+        persistent = session.persistent
         write_now = self.write_now
         for start in range(0, len(pids), ACK_RUN_PART):
             if start and write_now is not None and conn.out:
                 write_now(conn)
+            done: list[Delivery] = []
             for pid in pids[start:start + ACK_RUN_PART]:
                 delivery = inflight.get(pid)
                 if delivery is None or delivery.qos != 1:
                     log.debug("%s: PUBACK for unknown Packet Identifier %d", conn.client_id, pid)
                     continue
                 del inflight[pid]
-                if store is not None:
-                    store.delivery_deleted(session.client_id, delivery)
+                done.append(delivery)
+            if persistent and done:
+                self.store.deliveries_deleted(session.client_id, done)
             self._pump(session, now)
 
     def _on_pubrec(self, conn: Connection, p: PubRec, now: float) -> None:

@@ -94,6 +94,10 @@ class SessionStore(Protocol):
         """A delivery completed, expired or was dropped."""
         ...
 
+    def deliveries_deleted(self, client_id: str, deliveries: list[Delivery]) -> None:
+        """Several deliveries completed (a run of acknowledgements), in order: as :meth:`delivery_deleted` each."""
+        ...
+
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         """An inbound QoS 2 message now awaits its PUBREL."""
         ...
@@ -170,6 +174,9 @@ class MemoryStore:
         pass
 
     def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
+        pass
+
+    def deliveries_deleted(self, client_id: str, deliveries: list[Delivery]) -> None:
         pass
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:

@@ -818,6 +818,20 @@ class LmdbStore:
                 self._sent.pop(seq, None)
             self._record((_Q_DEL, self._prefix(client_id) + rec.u64(seq)))
 
+    def deliveries_deleted(self, client_id: str, deliveries: list[Delivery]) -> None:
+        prefix = self._prefix(client_id)
+        sent = self._sent
+        ops = self._ops
+        u64 = rec.u64
+        for delivery in deliveries:
+            seq = delivery.seq
+            if seq:
+                if sent:
+                    sent.pop(seq, None)
+                ops.append((_Q_DEL, prefix + u64(seq)))
+        if not self._submit_scheduled:
+            self._schedule()
+
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)
         key = rec.client_prefix(client_id) + packet_id.to_bytes(2, "big")

@@ -38,6 +38,7 @@ FORMAT_VERSION = 2  # 2: queue rows may carry their message (version 1 rows neve
 FORMAT_VERSIONS = (1, 2)  # what this code reads
 
 _MSG = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
+_MSG_TOPIC = struct.Struct("!BBddH")  # _MSG and the topic's length, read in one go
 _DEL = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_at, n_sub_ids
 _SESS = struct.Struct("!dddB")  # expiry_interval, expires_at, will_at (-1 = none), protocol_level
 _SUB = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0 = none)
@@ -100,10 +101,8 @@ def decode_message(mid: int, data: bytes, pos: int = 0) -> Message:
     """Inverse of :func:`encode_message`, for the record at ``pos`` (on the paths that page queues back in: no
     re-validation of what :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/
     ``UnicodeDecodeError`` on a damaged record."""
-    qos, flags, received_at, expires_at = _MSG.unpack_from(data, pos)
-    pos += _MSG.size
-    (n,) = _U16.unpack_from(data, pos)
-    pos += 2
+    qos, flags, received_at, expires_at, n = _MSG_TOPIC.unpack_from(data, pos)
+    pos += _MSG_TOPIC.size
     topic = str(data[pos:pos + n], "utf-8")
     pos += n
     (n,) = _U16.unpack_from(data, pos)
