@@ -132,20 +132,16 @@ class LmdbPager:
             cursor = txn.cursor(db=queue_db)
             if not cursor.set_range(prefix + rec.u64(after + 1)):
                 return out
-            decode, carries = rec.decode_queued, rec.carries_message
-            for key, value in cursor.iternext():
-                if not key.startswith(prefix):
-                    break
-                seq = rec.from_u64(key, start)
-                if seq > upto:
+            decode, carries, from_u64 = rec.decode_queued, rec.carries_message, rec.from_u64
+            last = prefix + rec.u64(upto)  # keys sort as (client, seq): past this one is past the range
+            for _, (key, value) in zip(range(limit), cursor.iternext(), strict=False):
+                if key > last:
                     break
                 if carries(value):
-                    out.append(decode(value, seq))
+                    out.append(decode(value, from_u64(key, start)))
                 else:
                     # The record starts with the mid, as the message row's key is made.
-                    out.append(decode(value, seq, txn.get(value[:8], db=messages)))
-                if len(out) >= limit:
-                    break
+                    out.append(decode(value, from_u64(key, start), txn.get(value[:8], db=messages)))
         return out
 
 
