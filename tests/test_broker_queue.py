@@ -183,6 +183,13 @@ class Publisher:
         self.client, _ = session(open_client, port, client_id, version)
         self._ids = itertools.count(1)
 
+    def publish_numbered(self, topic: str, count: int) -> list[bytes]:
+        """Publish ``count`` QoS 1 messages ``m00``, ``m01``, ... to ``topic``; return their payloads."""
+        bodies = [b"m%02d" % i for i in range(count)]
+        for body in bodies:
+            self.publish(topic, body, 1)
+        return bodies
+
     def publish(self, topic: str, payload: bytes, qos: int = 1, properties: dict[int, Any] | None = None) -> None:
         pid = next(self._ids) if qos else None
         self.client.send(Publish(topic, payload, qos, packet_id=pid, properties=properties or {}))
@@ -288,10 +295,7 @@ def test_seed_000_acknowledgements_in_one_write_refill_the_window_fifo(zones: Br
     port = zones.ports["rm10"]
     sub, _ = persistent(open_client, port, f"{uid}-sub", version, clean=True)
     subscribe(sub, (f"{uid}/t", 1))
-    pub = Publisher(open_client, port, f"{uid}-pub")
-    bodies = [b"m%02d" % i for i in range(25)]
-    for body in bodies:
-        pub.publish(f"{uid}/t", body, 1)
+    bodies = Publisher(open_client, port, f"{uid}-pub").publish_numbered(f"{uid}/t", 25)
     received = barrier(sub, 10)
     assert payloads(received) == bodies[:10]
     window = received
@@ -373,10 +377,7 @@ def test_seed_000_receive_maximum_sets_the_window_for_mqtt5_clients(zones: Broke
     v311, _ = session(open_client, port, f"{uid}-v311", 4)
     for client in (rm3, rm20, v311):
         subscribe(client, (f"{uid}/t", 1))
-    pub = Publisher(open_client, port, f"{uid}-pub")
-    bodies = [b"m%02d" % i for i in range(14)]
-    for body in bodies:
-        pub.publish(f"{uid}/t", body, 1)
+    bodies = Publisher(open_client, port, f"{uid}-pub").publish_numbered(f"{uid}/t", 14)
     got3 = barrier(rm3, 3)
     assert payloads(got3) == bodies[:3]
     assert payloads(barrier(rm20, 10)) == bodies[:10]
