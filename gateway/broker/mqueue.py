@@ -242,9 +242,9 @@ class MessageQueue:
         rows = self.pager.read(self._page_lo, self._page_hi, limit)
         gone = self._gone
         items = self._head() if rows else self._items
+        taken = taken_bytes = 0
         for entry in rows:
             seq = entry.seq
-            self._page_lo = seq
             if seq in gone:
                 gone.discard(seq)  # type: ignore[union-attr]
                 continue
@@ -257,9 +257,12 @@ class MessageQueue:
             items.append(entry)  # type: ignore[union-attr]
             if entry.qos == 0:
                 self._head_qos0().append(entry)
-            size = len(entry.message.payload)
-            self.paged -= 1
-            self._paged_bytes -= size
+            taken += 1
+            taken_bytes += len(entry.message.payload)
+        if rows:
+            self._page_lo = rows[-1].seq
+        self.paged -= taken
+        self._paged_bytes -= taken_bytes
         paged_qos0 = self._paged_qos0
         while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
             paged_qos0.popleft()  # type: ignore[union-attr]
