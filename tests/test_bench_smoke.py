@@ -114,10 +114,11 @@ def test_target_check_refuses_ports_the_harness_did_not_start() -> None:
 
 
 def test_durable_cpu_profile_runs_and_queues_every_message() -> None:
-    """bench/durable_cpu.py (the in-process CPU split of a durable QoS 1 publish) runs on a real LMDB store: every
-    message it publishes is queued for the offline subscriber, with group commits (more than one message each)."""
+    """bench/durable_cpu.py (the in-process CPU split of a durable QoS 1 publish and its drain) runs on a real LMDB
+    store: every message it publishes is queued for the offline subscriber, with group commits (more than one
+    message each); the drain delivers every one of them and leaves no queue or message row."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "durable_cpu.py"), "--messages", "640",
-                           "--in-flight", "64"], capture_output=True, text=True, timeout=120, check=True)
+                           "--in-flight", "64", "--drain"], capture_output=True, text=True, timeout=120, check=True)
     first = proc.stdout.splitlines()[0]
     count, rest = first.split(" durable QoS 1 messages, ")
     commits = int(rest.split(" commits")[0])
@@ -125,3 +126,5 @@ def test_durable_cpu_profile_runs_and_queues_every_message() -> None:
     assert first.endswith(", 640 queued"), first
     assert 0 < commits < 640
     assert "loop thread CPU" in proc.stdout and "writer CPU" in proc.stdout
+    drained = [line for line in proc.stdout.splitlines() if line.startswith("drain: ")]
+    assert len(drained) == 1 and drained[0].startswith("drain: 640 of 640 queued messages delivered, 0 rows left, ")
