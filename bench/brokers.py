@@ -41,6 +41,28 @@ class BrokerError(RuntimeError):
     """The broker did not start, or died."""
 
 
+def read_gateway_port(proc: subprocess.Popen[str], timeout: float = 20.0) -> int:
+    """Read a starting edge-gateway's stderr (text) line by line until it logs that it is ready; return the port
+    it logged for its listener. Kills it and raises :class:`BrokerError` when it stops or says neither within
+    ``timeout`` seconds."""
+    assert proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    port = None
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        m = _EGW_LISTEN.search(line)
+        if m:
+            port = int(m.group(1))
+        if "edge-gateway ready" in line:
+            break
+    if port is None:
+        proc.kill()
+        raise BrokerError("edge-gateway did not start")
+    return port
+
+
 def free_port() -> int:
     """A port nothing listens on right now (the broker binds it a moment later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

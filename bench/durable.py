@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from brokers import read_gateway_port  # noqa: E402
+
 from gateway.mqtt.framing import PacketReader  # noqa: E402
 from gateway.mqtt.packets import Connect, PubAck, Publish, Subscribe, Subscription  # noqa: E402
-
-_LISTEN = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 
 def start_broker(workdir: Path, extra_store: str, cpu: int | None) -> tuple[subprocess.Popen[str], int]:
@@ -47,22 +47,7 @@ max_mqueue_len = 0
         cmd = ["taskset", "-c", str(cpu), *cmd]
     proc = subprocess.Popen(cmd, cwd=workdir, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 20
-    port = None
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        m = _LISTEN.search(line)
-        if m:
-            port = int(m.group(1))
-        if "edge-gateway ready" in line:
-            break
-    if port is None:
-        proc.kill()
-        raise RuntimeError("broker did not start")
-    return proc, port
+    return proc, read_gateway_port(proc)
 
 
 def commits_at_exit(proc: subprocess.Popen[str]) -> int:

@@ -11,7 +11,6 @@ Binds and connects only to 127.0.0.1, on ports of brokers the script started; st
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from brokers import read_gateway_port  # noqa: E402
 
 from gateway.mqtt.packets import Connect, Publish, Subscribe, Subscription  # noqa: E402
 
@@ -108,17 +109,7 @@ def start_edge(work: Path) -> tuple[subprocess.Popen[str], int]:
         cmd = ["taskset", "-c", "0", *cmd]
     proc = subprocess.Popen(cmd, cwd=work, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.stderr is not None
-    port = None
-    for line in proc.stderr:
-        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-        if m:
-            port = int(m.group(1))
-        if "edge-gateway ready" in line:
-            break
-    if port is None:
-        proc.kill()
-        raise RuntimeError("edge-gateway did not start")
+    port = read_gateway_port(proc)
     threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
     return proc, port
 
