@@ -27,8 +27,9 @@ class QoS1Pair:
         version: paho protocol (``mqtt.MQTTv311`` or ``mqtt.MQTTv5``).
     """
 
-    def __init__(self, port: int, name: str, count: int = 200, interval: float = 0.005,
-                 version: Any = mqtt.MQTTv311) -> None:
+    def __init__(
+        self, port: int, name: str, count: int = 200, interval: float = 0.005, version: Any = mqtt.MQTTv311
+    ) -> None:
         self.port = port
         self.name = name
         self.count = count
@@ -73,8 +74,8 @@ class QoS1Pair:
         """Connect both, subscribe, and start publishing in a background thread."""
         self._mids: dict[int, int] = {}
         if self._v5:
-            from paho.mqtt.properties import Properties
             from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
 
             props = Properties(PacketTypes.CONNECT)
             props.SessionExpiryInterval = 3600
