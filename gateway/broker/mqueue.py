@@ -49,7 +49,7 @@ class MessageQueue:
         paged: entries held only in the store.
     """
 
-    __slots__ = ("_gone", "_items", "_len", "_page_hi", "_page_lo", "_page_out_every", "_paged_bytes", "_paged_qos0",
+    __slots__ = ("_dead", "_gone", "_items", "_len", "_page_hi", "_page_lo", "_page_out_every", "_paged_bytes", "_paged_qos0",
                  "_qos0", "_tail", "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged", "pager")
 
     def __init__(self, max_len: int = 1000, max_bytes: int = 0) -> None:
@@ -59,6 +59,7 @@ class MessageQueue:
         self._items: deque[Delivery] | tuple[()] = _NONE
         self._qos0: deque[Delivery] | tuple[()] = _NONE
         self._len = 0
+        self._dead = 0  # dropped entries still in the deques (removed lazily; compacted past a bound)
         self.pager: QueuePager | None = None
         self.mem_len = 0
         self._page_out_every = 1
@@ -231,6 +232,11 @@ class MessageQueue:
                     entry.dropped = True
                     self._len -= 1
                     self.bytes -= len(entry.message.payload)
+                    self._dead += 1
+                    if self._dead > self._len + 64:
+                        # Dropped entries stay in the FIFO until popped; a queue that is never popped (a client
+                        # that stopped reading) must not hold them, and their payloads, without bound.
+                        self._compact()
                     return entry
         entry = self.pop()
         entry.dropped = True
@@ -333,20 +339,27 @@ class MessageQueue:
             entry.dropped = True
             self._len -= 1
             self.bytes -= len(entry.message.payload)
+        if removed:
+            self._compact()
+        return removed
+
+    def _compact(self) -> None:
+        """Remove dropped entries from the in-memory deques (O(entries held))."""
         for entry in self._tail:
             if entry.dropped and entry.seq:
                 self._mark_gone(entry.seq)  # later tail entries may be paged past its row
-        if removed:
+        if self._items:
             self._items = deque(d for d in self._items if not d.dropped)
             self._qos0 = deque(d for d in self._qos0 if not d.dropped)
-            if self._tail:
-                self._tail = deque(d for d in self._tail if not d.dropped)
-                self._tail_qos0 = deque(d for d in self._tail_qos0 if not d.dropped)
-        return removed
+        if self._tail:
+            self._tail = deque(d for d in self._tail if not d.dropped)
+            self._tail_qos0 = deque(d for d in self._tail_qos0 if not d.dropped)
+        self._dead = 0
 
     def clear(self) -> None:
         """Drop everything (the store rows are the owner's to delete)."""
         self._items = self._qos0 = _NONE
+        self._dead = 0
         for part in (self._tail, self._tail_qos0, self._paged_qos0):
             if part:
                 part.clear()  # type: ignore[union-attr]
