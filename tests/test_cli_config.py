@@ -60,9 +60,10 @@ max_inflight = 70000
 session_expiry_interval = "5 minutes"
 """
 
-_ALLOWED_LISTENER_KEYS = ("await_rel_timeout, bind, connect_timeout, max_awaiting_rel, max_clientid_len, max_inflight, "
-                          "max_keepalive, max_mqueue_bytes, max_mqueue_len, max_packet_size, message_expiry_interval, "
-                          "mqueue_store_qos0, retry_interval, session_expiry_interval, topic_alias_maximum, zone")
+_ALLOWED_LISTENER_KEYS = ("await_rel_timeout, bind, connect_timeout, high_watermark, max_awaiting_rel, max_clientid_len, "
+                          "max_inflight, max_keepalive, max_mqueue_bytes, max_mqueue_len, max_packet_size, "
+                          "max_subscriptions, max_topic_levels, message_expiry_interval, mqueue_store_qos0, "
+                          "retry_interval, send_timeout, session_expiry_interval, topic_alias_maximum, zone")
 
 BAD_ERRORS = [
     "listeners.a.bind = 'localhost': must be \"host:port\" (port 0..65535) or a Unix socket path",
@@ -156,6 +157,17 @@ def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -
     ("[store]\nmqueue_mem_len = -1\n",
      "store.mqueue_mem_len = -1: must be an integer >= 0 (queued messages of a persistent session kept in memory; "
      "the rest wait only in the store; 0 = all in memory)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nhigh_watermark = \"1KB\"\n",
+     "listeners.x.high_watermark = '1KB': must be a size of at least 4KB such as \"1MB\""),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nsend_timeout = \"soon\"\n",
+     "listeners.x.send_timeout = 'soon': must be a duration such as \"15s\" (0 = never)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_clientid_len = 5\n",
+     "listeners.x.max_clientid_len = 5: must be an integer 23..65535 (UTF-8 bytes)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_subscriptions = -1\n",
+     "listeners.x.max_subscriptions = -1: must be an integer >= 0 (0 = no limit)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_topic_levels = 70000\n",
+     "listeners.x.max_topic_levels = 70000: must be an integer 0..65535 (0 = no limit)"),
+    ("[broker]\nmax_sessions = \"many\"\n", "broker.max_sessions = 'many': must be an integer >= 0 (0 = no limit)"),
     ("[listeners.x\n", None),
 ])
 def test_check_config_each_mistake_is_explained(tmp_path: Path, text: str, error: str | None) -> None:

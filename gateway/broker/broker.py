@@ -22,6 +22,7 @@ from typing import Any
 from gateway import __version__
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import AWAIT_COMP, Delivery, Message
+from gateway.broker.ratelog import RateLimitedLog, peer_host
 from gateway.broker.routing import RetainedMessages, SubscriptionRecord, SubscriptionTree
 from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, NEVER, Connection, Session
 from gateway.broker.store import MemoryStore, SessionStore
@@ -82,6 +83,7 @@ class Stats:
         "messages_sent",
         "publish_received",
         "publish_sent",
+        "refused",
     )
 
     def __init__(self) -> None:
@@ -94,6 +96,9 @@ class Stats:
         self.clients_maximum = 0
         self.connections_total = 0
         self.dropped: Counter[str] = Counter()
+        #: Requests refused by a limit, by limit name (``$SYS/broker/refused/<name>``): CONNECTs past
+        #: ``max_sessions``, Topic Filters past ``max_subscriptions``, connections closed by ``send_timeout``.
+        self.refused: Counter[str] = Counter()
 
 
 class Broker:
@@ -132,6 +137,10 @@ class Broker:
         self.write_now: Callable[[Connection], None] | None = None
         self._next_sys = now
         self._next_sweep = now
+        #: Protocol errors, refusals and limits hit are logged at most once a minute per client and reason.
+        self.rlog = RateLimitedLog(log)
+        #: Sessions with a Session Expiry Interval > 0 held, online and offline (``max_sessions``).
+        self.persistent_count = 0
         self._enc_mid = 0
         self._topics: dict[str, str] = {}  # one str per topic name shared by queued messages (memory)
         self._enc_cache: dict[tuple[int, int, bool], tuple[bytes, bytes]] = {}
@@ -158,6 +167,7 @@ class Broker:
             self.retained.set(message)
         for session in state.sessions:
             self.sessions[session.client_id] = session
+            self.persistent_count += session.persistent
             for record in session.subscriptions.values():
                 self.tree.add(record)
             if session.expires_at is None and session.expiry_interval != NEVER:
@@ -204,8 +214,9 @@ class Broker:
                     handler(conn, packet, now)
                 elif conn.state == AWAITING_CONNECT:
                     if not isinstance(packet, Connect):
-                        log.info("%s: first packet is %s, not CONNECT; closing [MQTT-3.1.0-1]", conn.peer,
-                                 PACKET_NAMES[packet.TYPE])
+                        self.rlog.info(now, peer_host(conn.peer), "not_connect",
+                                       "%s: first packet is %s, not CONNECT; closing [MQTT-3.1.0-1]", conn.peer,
+                                       PACKET_NAMES[packet.TYPE])
                         self._close(conn, now, publish_will=False)
                         return
                     self._on_connect(conn, packet, now)
@@ -224,11 +235,13 @@ class Broker:
             conn.state = CLOSED
             self._detach(conn, now, publish_will=True)
 
-    def pause_writing(self, conn: Connection) -> None:
-        """The connection's socket buffer is full: hold further messages in its Message Queue (bounded by
-        ``max_mqueue_len``, QoS 0 dropped first) instead of the socket buffer, so a slow subscriber cannot grow
-        the broker's memory without bound."""
+    def pause_writing(self, conn: Connection, now: float) -> None:
+        """The connection's socket write buffer passed ``high_watermark``: QoS 0 messages to it are dropped and
+        QoS 1/2 wait in its Message Queue (bounded by ``max_mqueue_len`` and ``max_mqueue_bytes``) instead of the
+        socket buffer, so a slow subscriber cannot grow the broker's memory without bound; if it stays so for
+        ``send_timeout`` seconds the connection is closed (:meth:`tick`)."""
         conn.paused = True
+        conn.paused_at = now
 
     def resume_writing(self, conn: Connection, now: float) -> None:
         """The socket drained below its low-water mark: send what waited."""
@@ -274,8 +287,8 @@ class Broker:
 
     def _protocol_error(self, conn: Connection, exc: MQTTError, now: float) -> None:
         code = exc.reason_code
-        log.warning("%s (%s): %s; closing with reason code 0x%02X %s", conn.peer, conn.client_id or "-", exc,
-                    code, code.name)
+        self.rlog.warning(now, peer_host(conn.peer), code.name, "%s (%s): %s; closing with reason code 0x%02X %s",
+                          conn.peer, conn.client_id or "-", exc, code, code.name)
         self.stats.dropped["protocol_error"] += 1
         if conn.version == MQTT_5:
             props = {P.REASON_STRING: str(exc)[:200]}
@@ -286,7 +299,7 @@ class Broker:
         self._close(conn, now, publish_will=True)
 
     def _unsupported_version(self, conn: Connection, exc: UnsupportedProtocolVersion, now: float) -> None:
-        log.warning("%s: %s", conn.peer, exc)
+        self.rlog.warning(now, peer_host(conn.peer), "unsupported_version", "%s: %s", conn.peer, exc)
         if exc.level == MQTT_5:
             self._send_raw(conn, Connack(False, RC.UNSUPPORTED_PROTOCOL_VERSION).encode(MQTT_5))
         elif exc.level is not None:
@@ -301,7 +314,8 @@ class Broker:
     # ------------------------------------------------------------------------------------------ CONNECT
 
     def _refuse(self, conn: Connection, reason: RC, message: str, now: float) -> None:
-        log.warning("%s: CONNECT refused (0x%02X %s): %s", conn.peer, reason, reason.name, message)
+        self.rlog.warning(now, peer_host(conn.peer), "refused_" + reason.name, "%s: CONNECT refused (0x%02X %s): %s",
+                          conn.peer, reason, reason.name, message)
         if conn.version == MQTT_5:
             self._send(conn, Connack(False, reason, {P.REASON_STRING: message[:200]}))
         elif reason in CONNACK_311:
@@ -330,13 +344,15 @@ class Broker:
             client_id = "auto-" + secrets.token_hex(8)
             if v5:
                 assigned = client_id
-        elif len(client_id) > limits.max_clientid_len:
+        elif len(client_id) > limits.max_clientid_len or (
+                4 * len(client_id) > limits.max_clientid_len
+                and len(client_id.encode("utf-8")) > limits.max_clientid_len):
             self._refuse(conn, RC.CLIENT_IDENTIFIER_NOT_VALID,
-                         f"Client Identifier longer than {limits.max_clientid_len} characters", now)
+                         f"Client Identifier longer than max_clientid_len = {limits.max_clientid_len} bytes", now)
             return
         will = p.will
         if will is not None:
-            error = topic_name_error(will.topic)
+            error = topic_name_error(will.topic) or _levels_error(will.topic, limits.max_topic_levels)
             if error:
                 if v5:
                     self._refuse(conn, RC.TOPIC_NAME_INVALID, f"Will Topic: {error}", now)
@@ -365,8 +381,16 @@ class Broker:
         if not v5 and granted == NEVER:
             granted = max_expiry
 
-        # Session takeover [MQTT-3.1.4-2] (5.0: DISCONNECT 0x8E [MQTT-3.1.4-3]).
         session = self.sessions.get(client_id)
+        max_sessions = self.settings.max_sessions
+        if session is None and granted and max_sessions and self.persistent_count >= max_sessions:
+            # A new persistent session past the cap; resuming or taking over an existing one is always allowed,
+            # and nothing of any other client is touched (issue 13).
+            self.stats.refused["max_sessions"] += 1
+            self._refuse(conn, RC.QUOTA_EXCEEDED, f"max_sessions = {max_sessions} persistent sessions reached", now)
+            return
+
+        # Session takeover [MQTT-3.1.4-2] (5.0: DISCONNECT 0x8E [MQTT-3.1.4-3]).
         if session is not None and session.conn is not None:
             old = session.conn
             log.info("%s: client %r takes over the session from %s", conn.peer, client_id, old.peer)
@@ -401,6 +425,7 @@ class Broker:
             self.sessions[client_id] = session
         was_persistent = session.persistent
         session.expiry_interval = granted
+        self.persistent_count += session.persistent - was_persistent
         session.protocol_level = conn.version
         if session.limits is not limits:
             session.limits = limits
@@ -519,6 +544,11 @@ class Broker:
         if topic == "$SYS" or topic.startswith("$SYS/"):
             self._reject_publish(conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
             return
+        max_levels = conn.limits.max_topic_levels
+        if max_levels and topic.count("/") >= max_levels:
+            self._reject_publish(conn, p, RC.TOPIC_NAME_INVALID, str(_levels_error(topic, max_levels)),
+                                 counter="max_topic_levels")
+            return
         if p.retain and not self.settings.retain_available:
             raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
         if qos and not self.store.has_room(conn.client_id):
@@ -556,8 +586,11 @@ class Broker:
             self.store.when_durable(lambda: self._ack(conn, PubRec(pid)))  # type: ignore[arg-type]
 
     def _reject_publish(self, conn: Connection, p: Publish, reason: RC, text: str, counter: str | None = None) -> None:
-        self.stats.dropped[counter or reason.name.lower()] += 1  # one refused message, one drop reason
-        log.warning("%s (%s): PUBLISH to %r refused: %s (0x%02X)", conn.peer, conn.client_id, p.topic, text, reason)
+        counter = counter or reason.name.lower()
+        self.stats.dropped[counter] += 1  # one refused message, one drop reason
+        self.rlog.warning(conn.last_rx, peer_host(conn.peer), "publish_" + counter,
+                          "%s (%s): PUBLISH to %r refused: %s (0x%02X)", conn.peer, conn.client_id, p.topic[:200],
+                          text, reason)
         if p.qos == 1:
             self._send(conn, PubAck(p.packet_id, reason if conn.version == MQTT_5 else 0))  # type: ignore[arg-type]
         elif p.qos == 2:
@@ -704,8 +737,12 @@ class Broker:
         """Give ``message`` to ``session`` at ``qos``: out now, into the Inflight Window, or into the Message
         Queue (seed 000: QoS 0 to an online client bypasses both)."""
         conn = session.conn
-        if conn is not None and qos == 0 and not conn.paused:
-            self._write_publish(conn, message, 0, retain, 0, False, sub_ids, now)
+        if conn is not None and qos == 0:
+            if conn.paused:
+                # Its socket holds high_watermark bytes already: QoS 0 is at most once (issue 13).
+                self.stats.dropped["high_watermark_qos0"] += 1
+            else:
+                self._write_publish(conn, message, 0, retain, 0, False, sub_ids, now)
             return
         limits = session.limits
         if conn is None:
@@ -975,6 +1012,7 @@ class Broker:
                 sub_id = ids[0]
         codes: list[int] = []
         retained: list[SubscriptionRecord] = []
+        limits = conn.limits
         for sub in p.subscriptions:
             shared = parse_shared(sub.topic_filter)
             if isinstance(shared, str):
@@ -988,9 +1026,20 @@ class Broker:
                 error = None
                 if sub.no_local:
                     raise ProtocolError("No Local on a Shared Subscription [MQTT-3.8.3-4]")
+            if not error:
+                error = _levels_error(inner, limits.max_topic_levels)
             if error:
-                log.info("%s (%s): SUBSCRIBE %r refused: %s", conn.peer, conn.client_id, sub.topic_filter, error)
+                self.rlog.info(now, peer_host(conn.peer), "subscribe_refused", "%s (%s): SUBSCRIBE %r refused: %s",
+                               conn.peer, conn.client_id, sub.topic_filter[:200], error)
                 codes.append(RC.TOPIC_FILTER_INVALID if v5 else 0x80)
+                continue
+            if limits.max_subscriptions and len(session.subscriptions) >= limits.max_subscriptions \
+                    and sub.topic_filter not in session.subscriptions:
+                self.stats.refused["max_subscriptions"] += 1
+                self.rlog.warning(now, peer_host(conn.peer), "max_subscriptions", "%s (%s): SUBSCRIBE %r refused: "
+                                  "max_subscriptions = %d reached (0x97)", conn.peer, conn.client_id,
+                                  sub.topic_filter[:200], limits.max_subscriptions)
+                codes.append(RC.QUOTA_EXCEEDED if v5 else 0x80)
                 continue
             record = SubscriptionRecord(session.client_id, inner, sub.qos, sub.no_local, sub.retain_as_published,
                                         sub.retain_handling, sub_id, group)
@@ -1054,6 +1103,7 @@ class Broker:
                                         "[MQTT-3.14.2-2]")
                 was = session.persistent
                 session.expiry_interval = min(expiry, conn.limits.session_expiry_interval)
+                self.persistent_count += session.persistent - was
                 if session.persistent:
                     self.store.session_saved(session)
                 elif was:
@@ -1113,6 +1163,7 @@ class Broker:
         """Discard a session and everything in it (Clean Start, expiry, or a clean session's disconnect)."""
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+            self.persistent_count -= session.persistent
         if session.will is not None:
             # The session ends before the Will Delay Interval passed: publish now (MQTT 5.0 §3.1.3.2.2).
             will = session.will
@@ -1141,6 +1192,16 @@ class Broker:
                     self._close(conn, now, publish_will=False)
                 continue
             if conn.state != CONNECTED:
+                continue
+            if conn.paused and limits.send_timeout and now - conn.paused_at >= limits.send_timeout:
+                # Its socket has not drained for send_timeout: a client that stopped reading. Closed without
+                # writing more (nothing can be written); a persistent session keeps its queue (issue 13).
+                self.stats.refused["send_timeout"] += 1
+                self.rlog.warning(now, peer_host(conn.peer), "send_timeout", "%s (%s): nothing written for "
+                                  "send_timeout = %.0f s (the client does not read); closing", conn.peer,
+                                  conn.client_id, limits.send_timeout)
+                conn.abort = True
+                self._close(conn, now, publish_will=True)
                 continue
             if conn.keep_alive and now - conn.last_rx >= 1.5 * conn.keep_alive:
                 # [MQTT-3.1.2-24] (3.1.1) / [MQTT-3.1.2-22] (5.0): one and a half times the Keep Alive.
@@ -1238,6 +1299,9 @@ class Broker:
         }
         for reason, count in sorted(s.dropped.items()):
             values[f"messages/dropped/{reason}"] = str(count)
+        for reason, count in sorted(s.refused.items()):
+            values[f"refused/{reason}"] = str(count)
+        values["log/suppressed"] = str(self.rlog.suppressed)
         return values
 
     def publish_sys(self, now: float) -> None:
@@ -1245,6 +1309,13 @@ class Broker:
         for name, value in self.sys_values(now).items():
             message = Message(self._mid(), f"$SYS/broker/{name}", value.encode(), 0, True, {}, now, None, None)
             self._publish(message, now)
+
+
+def _levels_error(topic: str, max_levels: int) -> str | None:
+    """Why ``topic`` (a Topic Name or Filter) has too many levels for ``max_topic_levels``, or ``None``."""
+    if max_levels and topic.count("/") >= max_levels:
+        return f"more than max_topic_levels = {max_levels} topic levels"
+    return None
 
 
 def _is_utf8(data: bytes) -> bool:

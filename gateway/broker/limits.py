@@ -34,7 +34,22 @@ class ZoneLimits:
         max_packet_size: largest packet accepted from a client, bytes (MQTT 5.0 Maximum Packet Size).
         topic_alias_maximum: Topic Alias Maximum announced to 5.0 clients (inbound aliases); 0 = none.
         connect_timeout: seconds a new connection may take to send its CONNECT.
-        max_clientid_len: longest Client Identifier accepted, characters.
+        max_clientid_len: longest Client Identifier accepted, in UTF-8 bytes; longer ones get CONNACK 0x85
+            (3.1.1: return code 0x02) [MQTT-3.1.3-8]. 256 by default: MQTT only requires 23 [MQTT-3.1.3-5],
+            cloud IoT services stop at 128 (AWS IoT Core, Azure IoT Hub), and every byte of it is kept per
+            session, in memory and in the store's keys.
+        max_subscriptions: Topic Filters one client may hold at once; more get SUBACK 0x97 Quota exceeded
+            (3.1.1: 0x80); 0 = no limit (EMQX's ``max_subscriptions``).
+        max_topic_levels: most levels in a Topic Name or Topic Filter (EMQX's ``max_topic_levels``, default 128);
+            a deeper SUBSCRIBE gets 0x8F Topic Filter invalid (3.1.1: 0x80), a deeper PUBLISH 0x90 Topic Name
+            invalid (QoS 0 and 3.1.1: dropped, counted), a deeper Will Topic CONNACK 0x90; 0 = no limit.
+        high_watermark: bytes a connection's socket write buffer may hold before the connection counts as
+            busy (EMQX's ``high_watermark``): QoS 0 messages to it are then dropped and counted
+            (``dropped/high_watermark_qos0``), QoS 1/2 wait in its Message Queue under ``max_mqueue_len`` and
+            ``max_mqueue_bytes``. Memory for one connected client is thus bounded by this plus one loop turn's
+            output plus ``max_mqueue_bytes``.
+        send_timeout: seconds a busy connection may go without its socket draining below the low-water mark
+            (a quarter of ``high_watermark``) before it is closed (EMQX's ``send_timeout``); 0 = never.
     """
 
     max_inflight: int = 32
@@ -50,7 +65,11 @@ class ZoneLimits:
     max_packet_size: int = 1024 * 1024
     topic_alias_maximum: int = 10
     connect_timeout: float = 10.0
-    max_clientid_len: int = 65535
+    max_clientid_len: int = 256
+    max_subscriptions: int = 1000
+    max_topic_levels: int = 128
+    high_watermark: int = 1024 * 1024
+    send_timeout: float = 15.0
 
     def window(self, receive_maximum: int | None) -> int:
         """The Inflight Window length for a client: ``max_inflight`` capped by its Receive Maximum (seed 000)."""
@@ -75,8 +94,12 @@ class BrokerSettings:
     Attributes:
         sys_interval: seconds between ``$SYS/broker/...`` updates; 0 = never.
         retain_available: whether retained messages are supported (MQTT 5.0 §3.2.2.3.5).
+        max_sessions: sessions with a Session Expiry Interval > 0 (3.1.1: Clean Session 0) the broker holds at
+            once, online and offline; a CONNECT that would create one more gets CONNACK 0x97 Quota exceeded
+            (3.1.1: 0x03 Server unavailable); resuming an existing session is always allowed; 0 = no limit.
     """
 
     sys_interval: float = 10.0
     retain_available: bool = True
+    max_sessions: int = 10_000
     zones: dict[str, ZoneLimits] = field(default_factory=lambda: dict(ZONE_DEFAULTS))

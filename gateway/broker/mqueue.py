@@ -49,8 +49,9 @@ class MessageQueue:
         paged: entries held only in the store.
     """
 
-    __slots__ = ("_dead", "_gone", "_items", "_len", "_page_hi", "_page_lo", "_page_out_every", "_paged_bytes", "_paged_qos0",
-                 "_qos0", "_tail", "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged", "pager")
+    __slots__ = ("_dead", "_gone", "_items", "_len", "_page_hi", "_page_lo", "_page_out_every", "_paged_bytes",
+                 "_paged_qos0", "_qos0", "_tail", "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged",
+                 "pager")
 
     def __init__(self, max_len: int = 1000, max_bytes: int = 0) -> None:
         self.max_len = max_len

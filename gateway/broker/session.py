@@ -111,10 +111,14 @@ class Connection:
         topic_alias_max: the client's Topic Alias Maximum (outbound aliases we may use).
         aliases_in / aliases_out: Topic Alias mappings of this connection (MQTT 5.0 §3.3.2.3.4).
         inbound_pending: QoS 1/2 PUBLISHes received and not yet acknowledged (Receive Maximum accounting).
-        paused: the socket's write buffer is above its high-water mark; messages wait in the Message Queue.
+        paused: the socket's write buffer is above its high-water mark (``high_watermark``): QoS 0 messages to
+            it are dropped, QoS 1/2 wait in the Message Queue.
+        paused_at: when ``paused`` last became true, wall-clock seconds (for ``send_timeout``).
+        abort: close without writing what is left (a connection stuck past ``send_timeout``).
     """
 
     __slots__ = (
+        "abort",
         "aliases_in",
         "aliases_out",
         "client_id",
@@ -130,6 +134,7 @@ class Connection:
         "opened_at",
         "out",
         "paused",
+        "paused_at",
         "peer",
         "reader",
         "request_problem_info",
@@ -165,6 +170,8 @@ class Connection:
         self.aliases_out: dict[str, int] = {}
         self.inbound_pending = 0
         self.paused = False
+        self.paused_at = 0.0
+        self.abort = False
         self.will: Will | None = None
         self.request_problem_info = True
         self.transport: Any = None

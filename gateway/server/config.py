@@ -142,10 +142,14 @@ _LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
     "max_packet_size": ("size", 16, 268_435_460, 'a size 16 B..256 MB such as "1MB"'),
     "topic_alias_maximum": ("int", 0, 65535, "an integer 0..65535 (0 = no aliases)"),
     "connect_timeout": ("duration", 1, 3600, 'a duration such as "10s"'),
-    "max_clientid_len": ("int", 23, 65535, "an integer 23..65535"),
+    "max_clientid_len": ("int", 23, 65535, "an integer 23..65535 (UTF-8 bytes)"),
+    "max_subscriptions": ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"),
+    "max_topic_levels": ("int", 0, 65535, "an integer 0..65535 (0 = no limit)"),
+    "high_watermark": ("size", 4096, 2**31, 'a size of at least 4KB such as "1MB"'),
+    "send_timeout": ("duration", 0, 86400, 'a duration such as "15s" (0 = never)'),
 }
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
-_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id"}
+_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id", "max_sessions"}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit", "mqueue_mem_len"}
@@ -246,6 +250,10 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"broker.retain_available = {value!r}: must be true or false")
             else:
                 cfg.broker.retain_available = value
+        elif key == "max_sessions":
+            parsed = check_value("broker", key, value, errors, ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"))
+            if parsed is not None:
+                cfg.broker.max_sessions = parsed
         elif key == "gateway_id":
             from gateway.upstream.config import gateway_id_error
 

@@ -19,6 +19,10 @@ from gateway.broker.session import Connection
 
 log = logging.getLogger("gateway.server")
 
+#: Seconds a connection the broker closed keeps reading (and discarding) after its last packet and a FIN went out,
+#: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data (issue 13).
+CLOSE_LINGER = 1.0
+
 
 class BrokerIO:
     """Owns the broker's I/O side: the flush scheduled once per loop turn and the one-second ticker."""
@@ -62,13 +66,31 @@ class BrokerIO:
             if transport is None or transport.is_closing():
                 out.clear()
                 continue
+            if conn.abort:
+                out.clear()
+                transport.abort()  # stuck: nothing more can be written (send_timeout)
+                continue
             if out:
                 transport.write(b"".join(out) if len(out) > 1 else out[0])
                 out.clear()
             if conn.close_after_flush:
-                transport.close()
+                self.close_gracefully(transport)
         if self.throttled:
             self.release_throttled()
+
+    def close_gracefully(self, transport: Any) -> None:
+        """Send what is buffered and a FIN, keep reading (the broker ignores a closed connection's bytes) until the
+        client closes or :data:`CLOSE_LINGER` passes, then close. Closing at once with unread bytes in the socket
+        makes the kernel send a reset that can destroy the DISCONNECT before the client reads it."""
+        if transport.can_write_eof():
+            try:
+                transport.write_eof()
+            except (OSError, RuntimeError):
+                transport.close()
+                return
+            self.loop.call_later(CLOSE_LINGER, _close_lingering, transport)
+        else:
+            transport.close()
 
     def release_throttled(self) -> None:
         """Resume reading from paused publishers once no consumer is congested, and at once from any paused
@@ -108,6 +130,15 @@ class BrokerIO:
             self._ticker = None
 
 
+def _close_lingering(transport: Any) -> None:
+    if transport.is_closing():
+        return  # the client closed its side first
+    if transport.get_write_buffer_size():
+        transport.abort()  # still flushing to a client that does not read: give up
+    else:
+        transport.close()
+
+
 class MQTTProtocol(asyncio.Protocol):
     """One client connection on one listener."""
 
@@ -133,6 +164,8 @@ class MQTTProtocol(asyncio.Protocol):
                 pass
         self.conn = self.io.broker.open(self.limits, self.listener, peer, time.time())
         self.conn.transport = transport
+        high = self.limits.high_watermark
+        transport.set_write_buffer_limits(high=high, low=high // 4)
         self.io.open_connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -158,7 +191,7 @@ class MQTTProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.conn is not None:
-            self.io.broker.pause_writing(self.conn)
+            self.io.broker.pause_writing(self.conn, time.time())
 
     def resume_writing(self) -> None:
         if self.conn is not None:
