@@ -552,13 +552,7 @@ class Broker:
         if p.retain and not self.settings.retain_available:
             raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
         if qos and not self.store.has_room(conn.client_id):
-            if v5:
-                self._reject_publish(conn, p, RC.QUOTA_EXCEEDED, "the message store is full", counter="store_full")
-            else:
-                self.stats.dropped["store_full"] += 1
-                log.error("%s (%s): store full; QoS %d PUBLISH not acknowledged, disconnecting", conn.peer,
-                          conn.client_id, qos)
-                self._close(conn, now, publish_will=False)
+            self._refuse_unstored(conn, p, True, now)
             return
 
         expires_at = None
@@ -578,12 +572,64 @@ class Broker:
             matched = self._publish(message, now)
             conn.inbound_pending += 1
             reason = RC.NO_MATCHING_SUBSCRIBERS if v5 and not matched else 0
-            self.store.when_durable(partial(self._puback, conn, pid, reason))
+            self.store.when_durable(partial(self._puback, conn, pid, reason),
+                                    partial(self._publish_failed, conn, p, now, None))
         else:
-            session.awaiting_rel[pid] = (message, now)  # type: ignore[index]
+            entry = session.awaiting_rel[pid] = (message, now)  # type: ignore[index]
             if session.persistent:
                 self.store.inbound_saved(session.client_id, pid, message)  # type: ignore[arg-type]
-            self.store.when_durable(lambda: self._ack(conn, PubRec(pid)))  # type: ignore[arg-type]
+            self.store.when_durable(lambda: self._ack(conn, PubRec(pid)),  # type: ignore[arg-type]
+                                    partial(self._publish_failed, conn, p, now, entry))
+
+    def _publish_failed(self, conn: Connection, p: Publish, now: float, entry: tuple[Message, float] | None,
+                        full: bool) -> None:
+        """The store could not commit what a QoS 1/2 PUBLISH caused (``when_durable``'s ``on_failure``; ``full``:
+        for lack of room): refuse it instead of leaving the publisher waiting (DESIGN.md §4). The Receive Maximum
+        count is given back, and a QoS 2 identifier is released so that the client's retry is taken as new."""
+        if p.qos == 1:
+            conn.inbound_pending -= 1
+        elif conn.session is not None and conn.session.awaiting_rel.get(p.packet_id) is entry:  # type: ignore[arg-type]
+            del conn.session.awaiting_rel[p.packet_id]  # type: ignore[arg-type]
+        self._refuse_unstored(conn, p, full, now)
+
+    def _refuse_unstored(self, conn: Connection, p: Publish, full: bool, now: float) -> None:
+        """Refuse a QoS 1/2 PUBLISH that cannot be made durable (DESIGN.md §4): MQTT 5 PUBACK/PUBREC 0x97 Quota
+        exceeded when the store or its disk is full (else 0x80 Unspecified error, MQTT 5.0 §3.4.2.1); 3.1.1 has no
+        way to refuse, so the publisher is not acknowledged and is disconnected. Counted per message in
+        ``$SYS/broker/messages/dropped/store_full`` (``store_error``); logged at most once a minute per client
+        address."""
+        counter = "store_full" if full else "store_error"
+        if conn.state != CONNECTED:
+            self.stats.dropped[counter] += 1  # gone meanwhile: nothing to answer
+        elif conn.version == MQTT_5:
+            if full:
+                self._reject_publish(conn, p, RC.QUOTA_EXCEEDED, "the message store is full", counter=counter)
+            else:
+                self._reject_publish(conn, p, RC.UNSPECIFIED_ERROR, "the message could not be stored",
+                                     counter=counter)
+        else:
+            self.stats.dropped[counter] += 1
+            self.rlog.error(now, peer_host(conn.peer), counter + "_disconnect",
+                            "%s (%s): %s; QoS %d PUBLISH not acknowledged, disconnecting", conn.peer, conn.client_id,
+                            "store full" if full else "store write failed", p.qos)
+            self._close(conn, now, publish_will=False)
+
+    def store_change_failed(self, client_ids: set[str], now: float) -> None:
+        """The store left changes of these clients out of a commit because they failed on their own (the rest of
+        the batch was committed; ``LmdbStore.on_change_failed``). Their connections are closed before that
+        commit's acknowledgements run, so nothing of theirs that was not written is acknowledged (DESIGN.md §4):
+        MQTT 5 DISCONNECT 0x80 Unspecified error with a Reason String (MQTT 5.0 §3.14.2.1), 3.1.1 just closed."""
+        for client_id in client_ids:
+            session = self.sessions.get(client_id)
+            conn = session.conn if session is not None else None
+            if conn is None or conn.state != CONNECTED:
+                continue
+            log.error("%s (%s): the store could not write a change of this client; closing its connection",
+                      conn.peer, client_id[:200])
+            if conn.version == MQTT_5:
+                self._send(conn, Disconnect(RC.UNSPECIFIED_ERROR,
+                                            {P.REASON_STRING: "the server could not store this client's state"}))
+            self._close(conn, now, publish_will=True)
 
     def _reject_publish(self, conn: Connection, p: Publish, reason: RC, text: str, counter: str | None = None) -> None:
         counter = counter or reason.name.lower()
@@ -811,7 +857,10 @@ class Broker:
                 # QoS 2 waits for that record; anything behind a held send waits too (FIFO, seed 000). A QoS 1
                 # PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows.
                 session.held_sends += 1
-                self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now))
+                # Also sent when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is
+                # only that a crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
+                self.store.when_durable(lambda: self._send_durable(session, conn, delivery, now),
+                                        lambda _full: self._send_durable(session, conn, delivery, now))
                 return
         if not self._write_publish(conn, delivery.message, delivery.qos, delivery.retain, pid, False,
                                    delivery.sub_ids, now):
@@ -850,7 +899,8 @@ class Broker:
                 if persistent and session.held_sends:
                     # Behind a QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
                     session.held_sends += 1
-                    self.store.when_durable(lambda d=delivery: self._send_held_qos0(session, conn, d, now))
+                    self.store.when_durable(lambda d=delivery: self._send_held_qos0(session, conn, d, now),
+                                            lambda _full, d=delivery: self._send_held_qos0(session, conn, d, now))
                     self.store.delivery_deleted(session.client_id, delivery)
                 elif persistent:
                     self._write_publish(conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)

@@ -3,7 +3,9 @@
 The broker calls these hooks for persistent sessions only (Clean Session = 0 / Session Expiry Interval > 0)
 and for retained messages; clean sessions never touch the store (DESIGN.md §4). Acknowledgements of work that
 must be durable (PUBACK, PUBREC, SUBACK) are sent from :meth:`SessionStore.when_durable` callbacks, which run in
-the order they were registered once everything recorded before them is committed.
+the order they were registered once everything recorded before them is committed; when that commit fails (the
+disk or ``store.max_size`` is full), their ``on_failure`` callbacks run instead, so that a publisher is refused
+(0x97) rather than left waiting (DESIGN.md §4).
 
 ``gateway/store/`` implements this on LMDB; :class:`MemoryStore` keeps nothing and runs callbacks at once.
 """
@@ -114,8 +116,11 @@ class SessionStore(Protocol):
         """The topic's retained message was cleared."""
         ...
 
-    def when_durable(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once everything recorded so far is committed (FIFO with other callbacks)."""
+    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
+        """Run ``callback`` once everything recorded so far is committed (FIFO with other callbacks). When the
+        commit holding it fails, run ``on_failure`` instead (if given; FIFO too) with True when the store or its
+        disk is full (MDB_MAP_FULL, ENOSPC, EDQUOT; DESIGN.md §4: answer 0x97) and False for other write errors;
+        nothing of that commit may be acknowledged."""
         ...
 
     def pager(self, client_id: str) -> tuple[QueuePager, int] | None:
@@ -191,8 +196,8 @@ class MemoryStore:
     def retained_deleted(self, topic: str) -> None:
         pass
 
-    def when_durable(self, callback: Callable[[], None]) -> None:
-        callback()
+    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
+        callback()  # nothing to commit: never fails
 
     def pager(self, client_id: str) -> tuple[QueuePager, int] | None:
         return None

@@ -54,6 +54,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     io = BrokerIO(broker, loop)
     if lmdb_store is not None:
         lmdb_store.attach(loop, io.schedule_flush)
+
+        def change_failed(client_ids: set[str]) -> None:
+            broker.store_change_failed(client_ids, time.time())  # before that commit's acknowledgements run
+            io.schedule_flush()
+
+        lmdb_store.on_change_failed = change_failed
     upstream: UpstreamBridge | None = None
     if config.upstreams:
         # Imported only when configured: aiomqtt and paho cost ~2 MiB of RSS on a broker without uplinks.

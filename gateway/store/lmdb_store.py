@@ -19,12 +19,24 @@
   allocated blocks rather than extend the file (cheaper fdatasyncs on ext4).
 - The map grows up to ``max_size``; new durable work is refused (``has_room`` is False) once the data reaches
   ``max_size`` minus a headroom, so deletes and already-acknowledged work always fit.
+- Names in keys (client ids, Topic Filters, topics) longer than 160 bytes are hashed to a fixed 161-byte form
+  (:func:`gateway.store.records.name_key`), so no key exceeds LMDB's maximum key size whatever clients send.
+- A batch that cannot be committed because there is no room (MDB_MAP_FULL at ``max_size``, ENOSPC or EDQUOT) runs
+  its ``when_durable`` ``on_failure`` callbacks instead of the callbacks (the broker answers 0x97 or disconnects)
+  and refuses new work (``has_room``) until a write succeeds again; while nothing else commits, the writer probes
+  with a tiny write every ``_PROBE_INTERVAL`` seconds once the file system has ``_PROBE_FREE`` bytes free. Other
+  batch-wide errors (I/O) fail the batch the same way without reporting the store full.
+- A change that fails on its own (any error but the above while it is applied, e.g. MDB_BAD_VALSIZE) does not
+  fail the batch: the writer applies the batch again in nested transactions, halving the failing part until the
+  failing changes are found, leaves them out, commits the rest, logs each at CRITICAL and reports the clients
+  they belong to (``on_change_failed``) before the batch's callbacks run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -45,6 +57,7 @@ from gateway.broker.message import Delivery, Message
 from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import NEVER, Session
 from gateway.broker.store import LoadedState, OutboxRecord
+from gateway.mqtt.primitives import encode_string
 from gateway.store import records as rec
 
 log = logging.getLogger("gateway.store")
@@ -60,6 +73,46 @@ _MIN_HEADROOM = 2 * 1024 * 1024
 _PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
 _OB_PUT, _OB_DEL = 9, 10  # upstream outbox (gateway/upstream/)
 _Q_SENT = 11  # a queue row's Packet Identifier and state, patched in place (records.patch_delivery)
+
+_PROBE_INTERVAL = 1.0  # seconds between writes that test whether a full store or disk takes writes again
+_PROBE_FREE = 1024 * 1024  # bytes free on the file system before such a probe is tried
+_FAIL_LOG_INTERVAL = 60.0  # seconds between two log lines of failed commits (a full disk fails every commit)
+# Errors that fail a whole batch: the store or the disk is full, or the environment or the disk is in trouble.
+# Any other error while a change is applied belongs to that change (see LmdbStore._apply_isolated).
+_BATCH_ERRORS: tuple[type[BaseException], ...] = (
+    lmdb.MapFullError, lmdb.DiskError, lmdb.PanicError, lmdb.TxnFullError, lmdb.ReadonlyError, lmdb.MemoryError,
+    lmdb.MapResizedError, lmdb.BadTxnError, lmdb.ReadersFullError, OSError, MemoryError,
+)
+_QUOTA_TEXT = os.strerror(errno.EDQUOT)
+
+
+def _per_change(exc: BaseException) -> bool:
+    """True when ``exc``, raised while a change was applied, is that change's own failure (MDB_BAD_VALSIZE and the
+    like), not the batch's (no room, I/O). A bare ``lmdb.Error`` carries an errno (LMDB has no class for it): I/O."""
+    return isinstance(exc, Exception) and not isinstance(exc, _BATCH_ERRORS) and type(exc) is not lmdb.Error
+
+
+_OP_DBS = {_Q_PUT: 4, _Q_DEL: 4, _Q_SENT: 4, _IN_PUT: 5, _IN_DEL: 5, _RET_PUT: 6, _RET_DEL: 6, _OB_PUT: 7, _OB_DEL: 7}
+
+
+def _describe(op: tuple[Any, ...]) -> str:
+    """A change for a log line: its database and key (the first 200 bytes)."""
+    kind = op[0]
+    if kind in (_PUT, _DEL):
+        db, key = DB_NAMES[op[1]], op[2]
+    elif kind == _SESS_DEL:
+        return f"removal of session {op[1][:200]!r}"
+    else:
+        db, key = DB_NAMES[_OP_DBS[kind]], op[1]
+    shown = bytes(key[:200]) if isinstance(key, bytes | bytearray | memoryview) else key
+    return f"{'delete from' if kind in (_DEL, _Q_DEL, _IN_DEL, _RET_DEL, _OB_DEL) else 'write to'} {db}, key of " \
+        f"{len(key)} bytes {shown!r}"
+
+
+def _no_room(exc: BaseException) -> bool:
+    """True when a failed commit means the store or the disk is full: MDB_MAP_FULL, ENOSPC or EDQUOT."""
+    return isinstance(exc, lmdb.MapFullError | lmdb.DiskError) or (
+        isinstance(exc, lmdb.Error) and _QUOTA_TEXT in str(exc))
 
 
 class StoreError(Exception):
@@ -167,7 +220,16 @@ class LmdbStore:
         #: _Q_SENT operations when the batch is handed over; a delivery deleted before that needs none.
         self._sent: dict[int, tuple[str, Delivery]] = {}
         self._cbs: list[Callable[[], None]] = []
+        self._fails: list[Callable[[bool], None]] = []  # the open batch's on_failure callbacks, in order
         self._inflight: deque[list[Callable[[], None]]] = deque()
+        self._inflight_fail: deque[list[Callable[[bool], None]]] = deque()
+        #: Called on the loop with the client ids whose changes were left out of a commit (they failed alone),
+        #: before that commit's ``when_durable`` callbacks run: the broker closes their connections so that
+        #: nothing of theirs is acknowledged (``Broker.store_change_failed``).
+        self.on_change_failed: Callable[[set[str]], None] | None = None
+        self._skipped: list[tuple[tuple[Any, ...], BaseException]] = []  # changes the last commit left out
+        self._long_names: dict[bytes, str] = {}  # hashed key part -> the client id it stands for
+        self._hashed_keys = True  # False while reading a format 1/2 store as it is (tools)
         self._submit_scheduled = False
         self._lazy: asyncio.TimerHandle | None = None  # a submit of changes nobody waits for, not yet due
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -182,7 +244,7 @@ class LmdbStore:
         self._inflight_seq: deque[int] = deque()
         self._seq = 1
         self._next_mid_hint = 1
-        self._outbox_loaded: dict[str, list[OutboxRecord]] = {}
+        self._outbox_loaded: dict[bytes, list[OutboxRecord]] = {}  # by the link's key part (records.name_key)
         self._prefixes: dict[str, bytes] = {}  # client id -> its key prefix
         self._lock_fd: int | None = None
         self.used_bytes = 0
@@ -194,7 +256,11 @@ class LmdbStore:
         self.last_commit_at = time.monotonic()
         self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
         self.write_errors = 0
-        self.last_write_failed = False
+        self.failed_changes = 0  # changes left out of a commit because they failed alone
+        self.last_write_failed = False  # the last commit failed for lack of room (cleared by the next that succeeds)
+        self.last_failure_full = False  # whether the last failed commit failed for lack of room
+        self._fail_log_at = 0.0  # monotonic time before which failed commits are counted, not logged
+        self._fail_log_suppressed = 0
         self.refused = 0
         self.quarantined: str | None = None
         self.closed = False
@@ -240,6 +306,9 @@ class LmdbStore:
         except Exception as exc:
             if isinstance(exc, StoreError):
                 raise
+            if _no_room(exc) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+                # A full disk is not a damaged store: moving it aside would lose what was acknowledged.
+                raise StoreError(f"store {self.path} cannot be opened: no room on its disk ({exc})") from None
             if self.env is not None:
                 with contextlib.suppress(Exception):
                     self.env.close()
@@ -272,18 +341,31 @@ class LmdbStore:
         mem_len = self.settings.mqueue_mem_len
         with self.env.begin() as txn:
             version = txn.get(b"format", db=meta)
-            if version is not None and int(version) not in rec.FORMAT_VERSIONS:
-                raise ValueError(f"unknown store format {version!r}")
+        if version is not None and int(version) not in rec.FORMAT_VERSIONS:
+            raise ValueError(f"unknown store format {version!r}")
+        # Format 1 and 2 stores (or none marked) have names as they are in keys, which may be longer than
+        # records.NAME_MAX: rewritten to format 3 on a broker's start, read as they are by the tools.
+        self._hashed_keys = version is not None and int(version) >= 3
+        if not self._hashed_keys and cleanup:
+            self._upgrade_names()
+            self._hashed_keys = True
+        long_names = self._long_names
+        by_part: dict[bytes, Session] = {}  # sessions by their key (the key part of their other rows)
+        with self.env.begin() as txn:
             next_mid = txn.get(b"next_mid", db=meta)
             next_seq = txn.get(b"next_seq", db=meta)
             for key, value in txn.cursor(db=sessions_db):
-                cid = bytes(key).decode("utf-8")
+                key = bytes(key)
+                cid, data = rec.session_id(key, bytes(value), self._hashed_keys)
                 session = Session(cid, self.limits_for())
-                rec.decode_session_into(session, bytes(value))
+                rec.decode_session_into(session, data)
                 if session.expires_at is not None and now >= session.expires_at:
                     expired_sessions.append(cid)
                     continue
                 sessions[cid] = session
+                by_part[key] = session
+                if rec.is_hashed(key) and self._hashed_keys:
+                    long_names[key] = cid
                 session.mqueue.enable_paging(LmdbPager(self, cid), mem_len)
             cache: dict[int, Message | None] = {}
 
@@ -294,15 +376,16 @@ class LmdbStore:
                 return cache[mid]
 
             for key, value in txn.cursor(db=subs_db):
-                cid, rest = rec.split_client_key(bytes(key))
-                session = sessions.get(cid)
+                part, rest = rec.split_key(bytes(key))
+                session = by_part.get(part)
                 if session is not None:
-                    record = rec.decode_subscription(cid, rest.decode("utf-8"), bytes(value))
+                    value = bytes(value)
+                    record = rec.decode_subscription(session.client_id, rec.subscription_key(rest, value), value)
                     session.subscriptions[record.key] = record
             expired_rows: list[bytes] = []
             for key, value in txn.cursor(db=queue_db):
-                cid, rest = rec.split_client_key(bytes(key))
-                session = sessions.get(cid)
+                part, rest = rec.split_key(bytes(key))
+                session = by_part.get(part)
                 if session is None:
                     expired_rows.append(bytes(key))
                     continue
@@ -336,8 +419,8 @@ class LmdbStore:
                     session.mqueue.push(delivery)
             expired_inbound: list[bytes] = []
             for key, value in txn.cursor(db=inbound_db):
-                cid, rest = rec.split_client_key(bytes(key))
-                session = sessions.get(cid)
+                part, rest = rec.split_key(bytes(key))
+                session = by_part.get(part)
                 mid, received_at = rec.decode_inbound(bytes(value))
                 msg = message(mid)
                 if session is None or msg is None:
@@ -354,10 +437,10 @@ class LmdbStore:
                     continue
                 state.retained.append(msg)
                 refs[mid] = refs.get(mid, 0) + 1
-            outbox: dict[str, list[OutboxRecord]] = {}
+            outbox: dict[bytes, list[OutboxRecord]] = {}
             orphan_outbox: list[bytes] = []
             for key, value in txn.cursor(db=outbox_db):
-                link, rest = rec.split_client_key(bytes(key))
+                link, rest = rec.split_key(bytes(key))
                 mid, qos, topic = rec.decode_outbox(bytes(value))
                 msg = message(mid)
                 if msg is None:
@@ -379,36 +462,96 @@ class LmdbStore:
         if not cleanup:
             return state
         # Remove what expired while the broker was down, and what nothing references.
-        with self.env.begin(write=True) as txn:
-            txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=meta)
-            for cid in expired_sessions:
-                # Their queue and inbound rows are in the lists below (no session to attach them to).
-                txn.delete(cid.encode("utf-8"), db=sessions_db)
-                cursor = txn.cursor(db=subs_db)
-                prefix = rec.client_prefix(cid)
-                if cursor.set_range(prefix):
-                    while cursor.key().startswith(prefix) and cursor.delete():
-                        pass
-                cursor.close()
-            for key in expired_rows:
-                txn.delete(key, db=queue_db)
-            for key in expired_inbound:
-                txn.delete(key, db=inbound_db)
-            for key in expired_retained:
-                txn.delete(key, db=retained_db)
-            for key in orphan_outbox:
-                txn.delete(key, db=outbox_db)
-            for key in orphans:
-                txn.delete(key, db=messages)
-        if expired_sessions or expired_rows or expired_retained:
-            log.info("store: removed %d expired sessions and %d expired messages on start", len(expired_sessions),
-                     len(expired_rows) + len(expired_retained))
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=meta)
+                for cid in expired_sessions:
+                    # Their queue and inbound rows are in the lists below (no session to attach them to).
+                    txn.delete(rec.name_key(cid), db=sessions_db)
+                    cursor = txn.cursor(db=subs_db)
+                    prefix = rec.client_prefix(cid)
+                    if cursor.set_range(prefix):
+                        while cursor.key().startswith(prefix) and cursor.delete():
+                            pass
+                    cursor.close()
+                for key in expired_rows:
+                    txn.delete(key, db=queue_db)
+                for key in expired_inbound:
+                    txn.delete(key, db=inbound_db)
+                for key in expired_retained:
+                    txn.delete(key, db=retained_db)
+                for key in orphan_outbox:
+                    txn.delete(key, db=outbox_db)
+                for key in orphans:
+                    txn.delete(key, db=messages)
+        except lmdb.Error as exc:
+            if not _no_room(exc):
+                raise
+            # A full disk at start: what expired stays until a later start (it is not loaded); nothing is lost.
+            self.last_write_failed = True
+            log.error("store: no room to remove what expired while the broker was down (%s); kept until a later "
+                      "start, and new QoS 1/2 messages are refused until a write succeeds", exc)
+        else:
+            if expired_sessions or expired_rows or expired_retained:
+                log.info("store: removed %d expired sessions and %d expired messages on start", len(expired_sessions),
+                         len(expired_rows) + len(expired_retained))
         self._update_used()
         return state
 
+    def _upgrade_names(self) -> None:
+        """Rewrite a format 1/2 store to format 3: every key whose name part is longer than ``records.NAME_MAX``
+        gets that part in the hashed form (``records.name_key``), with the full name in the value where format 3
+        keeps it (sessions, subscriptions). One write transaction; rows with short names stay as they are."""
+        assert self.env is not None
+        meta, _messages, sessions_db, subs_db, queue_db, inbound_db, retained_db, outbox_db = self.dbs
+        limit = rec.NAME_MAX
+        moved = 0
+        txn = self.env.begin(write=True)
+        try:
+            changes: list[tuple[Any, bytes, bytes, bytes]] = []  # (db, old key, new key, new value)
+            for key, value in txn.cursor(db=sessions_db):
+                if len(key) > limit:
+                    cid = bytes(key).decode("utf-8")
+                    changes.append((sessions_db, bytes(key), rec.name_key(cid), encode_string(cid) + bytes(value)))
+            for key, value in txn.cursor(db=subs_db):
+                part, rest = rec.split_key(bytes(key))
+                if len(part) > limit or len(rest) > limit:
+                    filter_part = rec.name_key(rest.decode("utf-8"))
+                    value = bytes(value)
+                    if rec.is_hashed(filter_part):
+                        value += encode_string(rest.decode("utf-8"))
+                    changes.append((subs_db, bytes(key), rec.client_prefix(part.decode("utf-8")) + filter_part,
+                                    value))
+            for db in (queue_db, inbound_db, outbox_db):
+                for key, value in txn.cursor(db=db):
+                    part, rest = rec.split_key(bytes(key))
+                    if len(part) > limit:
+                        changes.append((db, bytes(key), rec.client_prefix(part.decode("utf-8")) + rest, bytes(value)))
+            for key, value in txn.cursor(db=retained_db):
+                if len(key) > limit:
+                    changes.append((retained_db, bytes(key), rec.name_key(bytes(key).decode("utf-8")), bytes(value)))
+            for db, old, new, value in changes:
+                txn.delete(old, db=db)
+                txn.put(new, value, db=db)
+                moved += 1
+            txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=meta)
+        except BaseException:
+            txn.abort()
+            raise
+        try:
+            txn.commit()
+        except lmdb.Error as exc:
+            if _no_room(exc):
+                raise StoreError(f"store {self.path} needs to be rewritten to format {rec.FORMAT_VERSION} and there "
+                                 f"is no room on its disk ({exc}); free some space and start again") from None
+            raise
+        if moved:
+            log.info("store: %d rows with names longer than %d bytes rewritten to store format %d", moved, limit,
+                     rec.FORMAT_VERSION)
+
     def _delete_session_rows(self, txn: Any, cid: str) -> None:
         _meta, _messages, sessions_db, subs_db, queue_db, inbound_db, _ret, _outbox = self.dbs
-        txn.delete(cid.encode("utf-8"), db=sessions_db)
+        txn.delete(rec.name_key(cid), db=sessions_db)
         prefix = rec.client_prefix(cid)
         for db in (subs_db, queue_db, inbound_db):
             cursor = txn.cursor(db=db)
@@ -569,7 +712,15 @@ class LmdbStore:
     def _write_loop(self) -> None:
         q = self._queue
         while True:
-            item = q.get()
+            if self.last_write_failed and self.loop is not None:
+                # Full: if nothing else commits, a tiny write tells when there is room again (has_room).
+                try:
+                    item = q.get(timeout=_PROBE_INTERVAL)
+                except queue.Empty:
+                    self._probe()
+                    continue
+            else:
+                item = q.get()
             if item is None:
                 return
             batches = [item]
@@ -588,31 +739,60 @@ class LmdbStore:
             ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
             ok = self._commit(ops)
+            owners = self._take_skipped()
             self.commits += 1
             self.committed_ops += len(ops)
             self.last_commit_at = time.monotonic()
             loop = self.loop
             if loop is not None and not loop.is_closed():
                 with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._committed, len(batches), ok)
+                    loop.call_soon_threadsafe(self._committed, len(batches), ok, self.last_failure_full, owners)
+
+    def _probe(self) -> None:
+        """While the store is full (``last_write_failed``) and nothing else commits: once the file system has
+        ``_PROBE_FREE`` bytes free, commit one tiny write; when it succeeds, new work is taken again."""
+        try:
+            st = os.statvfs(self.path)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = _PROBE_FREE
+        if free < _PROBE_FREE:
+            return
+        if self._commit([(_PUT, 0, b"format", str(rec.FORMAT_VERSION).encode())]):
+            log.warning("store: writes succeed again (%d bytes used of max_size %d); taking QoS 1/2 messages again",
+                        self.used_bytes, self.settings.max_size)
 
     def _commit(self, ops: list[tuple[Any, ...]]) -> bool:
-        """Apply ``ops`` in one transaction (growing the map as needed); False when they could not be written."""
+        """Apply ``ops`` in one transaction (growing the map as needed); False when they could not be written.
+
+        A change that fails alone (:func:`_per_change`) does not fail the others: the batch is applied again by
+        :meth:`_apply_isolated`, which leaves out the failing changes (kept in ``_skipped`` for
+        :meth:`_take_skipped`). No room (MDB_MAP_FULL at ``max_size``, ENOSPC, EDQUOT) sets ``last_write_failed``
+        (``has_room`` is False) until a commit succeeds; other batch errors do not."""
         assert self.env is not None
+        isolate = False
         while True:
             self._undo = []  # reference counts before this attempt, to roll back with the transaction
             self._last_put_mid = 0
+            self._skipped = []
+            applying = True
             try:
-                with self.env.begin(write=True) as txn:
-                    self._apply(txn, ops)
+                txn = self.env.begin(write=True)
+                try:
+                    if isolate:
+                        self._apply_isolated(txn, ops)
+                    else:
+                        self._apply(txn, ops)
+                    applying = False
+                except BaseException:
+                    txn.abort()
+                    raise
+                txn.commit()
                 break
             except lmdb.MapFullError:
                 self._rollback_refs()
                 if self.map_size >= self.settings.max_size:
-                    self.write_errors += 1
-                    log.critical("store full at max_size=%d bytes: a batch of %d changes could not be written; "
-                                 "its acknowledgements are withheld", self.settings.max_size, len(ops))
-                    self.last_write_failed = True
+                    self._write_failed(f"store full at max_size={self.settings.max_size} bytes", len(ops), True)
                     return False
                 new_size = min(self.settings.max_size, self.map_size * 2)
                 with self.map_lock:
@@ -620,17 +800,109 @@ class LmdbStore:
                 self.map_size = new_size
                 self._file_end = self._data_file_size()
                 log.info("store: map grown to %d bytes", new_size)
-            except lmdb.Error as exc:
+            except Exception as exc:
                 self._rollback_refs()
-                self.write_errors += 1
-                log.critical("store write failed (%s): %d changes not written; their acknowledgements are withheld",
-                             exc, len(ops))
-                self.last_write_failed = True
+                if applying and not isolate and _per_change(exc):
+                    isolate = True  # one change failed: find it, commit the rest
+                    continue
+                full = _no_room(exc)
+                self._write_failed(f"store {'full' if full else 'write failed'} ({exc})", len(ops), full)
                 return False
+        if self.last_write_failed:
+            log.warning("store: a commit succeeded again after the store was full")
         self.last_write_failed = False
         self._update_used()  # ~10 us a commit; keeps has_room exact
         self._preallocate()
         return True
+
+    def _write_failed(self, what: str, count: int, full: bool) -> None:
+        """Count and log (the first at once, then at most one line per ``_FAIL_LOG_INTERVAL`` with the number of
+        failures in between) a batch of ``count`` changes that could not be written."""
+        self.write_errors += 1
+        self.last_failure_full = full
+        if full:
+            self.last_write_failed = True
+        now = time.monotonic()
+        if now < self._fail_log_at:
+            self._fail_log_suppressed += 1
+            return
+        suppressed, self._fail_log_suppressed = self._fail_log_suppressed, 0
+        self._fail_log_at = now + _FAIL_LOG_INTERVAL
+        more = f" ({suppressed} more failed commits in the last {_FAIL_LOG_INTERVAL:.0f} s)" if suppressed else ""
+        log.critical("%s: a batch of %d changes could not be written; its QoS 1/2 publishers are refused (MQTT 5: "
+                     "0x%02X; 3.1.1: disconnected), nothing of it is acknowledged%s", what, count,
+                     0x97 if full else 0x80, more)
+
+    def _apply_isolated(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
+        """Apply ``ops`` in nested transactions of ``txn`` so that changes failing alone are left out: a part
+        that fails is split in halves, down to the single change, which is recorded in ``_skipped`` (about
+        2 log2(n) nested transactions for each failing change). Reference counts changed by an aborted part are
+        rolled back with it; errors that are not a change's own (:func:`_per_change`) propagate."""
+        assert self.env is not None
+        skipped = self._skipped
+        stack: list[list[tuple[Any, ...]]] = [ops]
+        while stack:
+            part = stack.pop()
+            mark = len(self._undo)
+            child = self.env.begin(write=True, parent=txn)
+            try:
+                self._apply(child, part)
+            except Exception as exc:
+                child.abort()
+                self._rollback_refs(mark)
+                if not _per_change(exc):
+                    raise
+                if len(part) == 1:
+                    skipped.append((part[0], exc))
+                else:
+                    half = len(part) // 2
+                    stack.append(part[half:])  # popped second: the halves are applied in order
+                    stack.append(part[:half])
+                continue
+            child.commit()
+        self.failed_changes += len(skipped)
+        for op, exc in skipped:
+            log.critical("store: a change was left out of a commit, the rest of its batch committed: %s (%s: %s)",
+                         _describe(op), type(exc).__name__, exc)
+
+    def _take_skipped(self) -> tuple[set[bytes], set[str]] | None:
+        """The owners of the changes the last commit left out, or None: key parts of their client ids (resolved on
+        the loop, :meth:`_owner_ids`) and client ids (publishers of the messages those changes stored)."""
+        skipped, self._skipped = self._skipped, []
+        if not skipped:
+            return None
+        parts: set[bytes] = set()
+        names: set[str] = set()
+        for op, _exc in skipped:
+            kind = op[0]
+            if kind in (_PUT, _DEL):
+                if op[1] == 2:
+                    parts.add(op[2])
+                elif op[1] == 3:
+                    parts.add(rec.split_key(op[2])[0])
+            elif kind in (_Q_PUT, _Q_DEL, _Q_SENT, _IN_PUT, _IN_DEL):
+                parts.add(rec.split_key(op[1])[0])
+            elif kind == _SESS_DEL:
+                names.add(op[1])
+            if kind in (_Q_PUT, _IN_PUT, _RET_PUT, _OB_PUT):
+                sender = op[3].sender if kind != _RET_PUT else op[2].sender
+                if sender is not None:
+                    names.add(sender)  # its PUBACK/PUBREC waits for this change
+        return parts, names
+
+    def _owner_ids(self, owners: tuple[set[bytes], set[str]]) -> set[str]:
+        parts, names = owners
+        ids = set(names)
+        for part in parts:
+            if rec.is_hashed(part):
+                cid = self._long_names.get(part)
+                if cid is None:
+                    log.error("store: the owner of key part %r is not known; its connection stays open", part)
+                    continue
+                ids.add(cid)
+            else:
+                ids.add(part.decode("utf-8", "replace"))
+        return ids
 
     def _preallocate(self) -> None:
         """Keep about ``_AHEAD`` bytes of written zeros past LMDB's last page, up to the map size, so that commits
@@ -661,14 +933,17 @@ class LmdbStore:
         finally:
             os.close(fd)
 
-    def _rollback_refs(self) -> None:
+    def _rollback_refs(self, mark: int = 0) -> None:
+        """Undo the reference count changes recorded since ``_undo[mark]`` (a transaction, or a nested one, was
+        aborted)."""
         refs = self._refs
-        for mid, count in reversed(self._undo):
+        undo = self._undo
+        for mid, count in reversed(undo[mark:]):
             if count is None:
                 refs.pop(mid, None)
             else:
                 refs[mid] = count
-        self._undo = []
+        del undo[mark:]
         self._last_put_mid = 0
 
     def _update_used(self) -> None:
@@ -680,16 +955,31 @@ class LmdbStore:
                 used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
         self.used_bytes = used
 
-    def _committed(self, count: int, ok: bool = True) -> None:
-        """Run the callbacks of ``count`` committed batches; when the write failed, drop them instead: nothing
-        that was not written is acknowledged (the clients re-send after they reconnect)."""
+    def _committed(self, count: int, ok: bool = True, full: bool = True,
+                   owners: tuple[set[bytes], set[str]] | None = None) -> None:
+        """Run the callbacks of ``count`` committed batches. Clients whose changes were left out (``owners``) are
+        reported first, so that their acknowledgements are not sent. When the write failed, run the batches'
+        ``on_failure`` callbacks (with ``full``: whether for lack of room) instead: nothing that was not written is
+        acknowledged."""
+        if owners is not None and self.on_change_failed is not None:
+            try:
+                self.on_change_failed(self._owner_ids(owners))
+            except Exception:
+                log.exception("store: on_change_failed failed")
         ran = False
         for _ in range(count):
             if not self._inflight:
                 break
             callbacks = self._inflight.popleft()
+            failures = self._inflight_fail.popleft()
             seq = self._inflight_seq.popleft()
             if not ok:
+                for fail in failures:
+                    ran = True
+                    try:
+                        fail(full)
+                    except Exception:
+                        log.exception("durable failure callback failed")
                 continue
             self.committed_seq = seq
             for cb in callbacks:
@@ -711,10 +1001,18 @@ class LmdbStore:
             self._submit_scheduled = False
             ops = self._take_ops()
             cbs, self._cbs = self._cbs, []
-            if self._commit(ops):
+            fails, self._fails = self._fails, []
+            ok = self._commit(ops)
+            owners = self._take_skipped()
+            if owners is not None and self.on_change_failed is not None:
+                self.on_change_failed(self._owner_ids(owners))
+            if ok:
                 self.committed_seq = self._seq - 1
                 for cb in cbs:
                     cb()
+            else:
+                for fail in fails:
+                    fail(self.last_failure_full)
         elif self.settings.commit_interval > 0:
             loop.call_later(self.settings.commit_interval, self._submit)
         elif self._cbs or not self.settings.group_commit or not self.settings.lazy_commit:
@@ -732,6 +1030,7 @@ class LmdbStore:
         if not self._ops and not self._sent:
             if self._cbs:
                 cbs, self._cbs = self._cbs, []
+                self._fails = []
                 for cb in cbs:
                     cb()
             return
@@ -740,6 +1039,8 @@ class LmdbStore:
         if not self._inflight:
             self.waiting_since = time.monotonic()
         self._inflight.append(cbs)
+        self._inflight_fail.append(self._fails)
+        self._fails = []
         self._inflight_seq.append(self._seq - 1)
         self._queue.put((ops, self._next_mid_hint, self._seq))
 
@@ -765,24 +1066,31 @@ class LmdbStore:
             self._schedule()
 
     def session_saved(self, session: Session) -> None:
-        self._record((_PUT, 2, session.client_id.encode("utf-8"), rec.encode_session(session)))
+        key = self._prefix(session.client_id)[:-1]
+        self._record((_PUT, 2, key, rec.session_row(session, key)))
 
     def session_deleted(self, client_id: str) -> None:
         self._record((_SESS_DEL, client_id))
 
     def subscription_saved(self, client_id: str, record: SubscriptionRecord) -> None:
-        self._record((_PUT, 3, rec.client_prefix(client_id) + record.key.encode("utf-8"),
-                      rec.encode_subscription(record)))
+        part = rec.name_key(record.key)
+        self._record((_PUT, 3, self._prefix(client_id) + part, rec.encode_subscription(record, part)))
 
     def subscription_deleted(self, client_id: str, key: str) -> None:
-        self._record((_DEL, 3, rec.client_prefix(client_id) + key.encode("utf-8")))
+        self._record((_DEL, 3, self._prefix(client_id) + rec.name_key(key)))
 
     def _prefix(self, client_id: str) -> bytes:
+        """The key prefix of ``client_id``'s rows (``records.client_prefix``), cached; a hashed one is remembered
+        with its client id (to name the owner of a change that fails, :meth:`_owner_ids`)."""
         prefix = self._prefixes.get(client_id)
         if prefix is None:
             if len(self._prefixes) >= 10_000:
                 self._prefixes.clear()
             prefix = self._prefixes[client_id] = rec.client_prefix(client_id)
+            if len(prefix) > rec.NAME_MAX + 1:
+                if len(self._long_names) >= 10_000:
+                    self._long_names.clear()
+                self._long_names[prefix[:-1]] = client_id
         return prefix
 
     def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
@@ -830,22 +1138,27 @@ class LmdbStore:
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)
-        key = rec.client_prefix(client_id) + packet_id.to_bytes(2, "big")
+        key = self._prefix(client_id) + packet_id.to_bytes(2, "big")
         self._record((_IN_PUT, key, rec.encode_inbound(message.mid, message.received_at), message))
 
     def inbound_deleted(self, client_id: str, packet_id: int) -> None:
-        self._record((_IN_DEL, rec.client_prefix(client_id) + packet_id.to_bytes(2, "big")))
+        self._record((_IN_DEL, self._prefix(client_id) + packet_id.to_bytes(2, "big")))
 
     def retained_saved(self, message: Message) -> None:
         self.note_mid(message.mid)
-        self._record((_RET_PUT, message.topic.encode("utf-8"), message))
+        self._record((_RET_PUT, rec.name_key(message.topic), message))
 
     def retained_deleted(self, topic: str) -> None:
-        self._record((_RET_DEL, topic.encode("utf-8")))
+        self._record((_RET_DEL, rec.name_key(topic)))
 
-    def when_durable(self, callback: Callable[[], None]) -> None:
+    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
+        """Run ``callback`` on the loop once everything recorded so far is committed (FIFO with other callbacks);
+        when the batch holding it cannot be committed, run ``on_failure`` instead (its argument: True when for
+        lack of room, MDB_MAP_FULL/ENOSPC/EDQUOT), or nothing."""
         if self._ops or self._cbs or self._sent:
             self._cbs.append(callback)
+            if on_failure is not None:
+                self._fails.append(on_failure)
             if not self.settings.group_commit:
                 self._submit()
             elif self._lazy is not None:
@@ -857,6 +1170,8 @@ class LmdbStore:
                 self.loop.call_soon(self._submit)
         elif self._inflight:
             self._inflight[-1].append(callback)
+            if on_failure is not None:
+                self._inflight_fail[-1].append(on_failure)
         else:
             callback()
 
@@ -871,14 +1186,14 @@ class LmdbStore:
 
     def outbox_saved(self, link: str, record: OutboxRecord) -> None:
         self.note_mid(record.message.mid)
-        key = rec.client_prefix(link) + rec.u64(record.seq)
+        key = self._prefix(link) + rec.u64(record.seq)
         self._record((_OB_PUT, key, rec.encode_outbox(record.message.mid, record.qos, record.topic), record.message))
 
     def outbox_deleted(self, link: str, seq: int) -> None:
-        self._record((_OB_DEL, rec.client_prefix(link) + rec.u64(seq)))
+        self._record((_OB_DEL, self._prefix(link) + rec.u64(seq)))
 
     def outbox_loaded(self, link: str) -> list[OutboxRecord]:
-        return self._outbox_loaded.pop(link, [])
+        return self._outbox_loaded.pop(rec.name_key(link), [])
 
     def has_room(self, client_id: str | None) -> bool:
         if self.used_bytes < self._room_below and not self.last_write_failed:
@@ -914,8 +1229,10 @@ class LmdbStore:
             if self._ops or self._sent:
                 ops = self._take_ops()
                 self._inflight.append(self._cbs)
+                self._inflight_fail.append(self._fails)
                 self._inflight_seq.append(self._seq - 1)
                 self._cbs = []
+                self._fails = []
                 self._queue.put((ops, self._next_mid_hint, self._seq))
             self._queue.put(None)
             self._writer.join()
@@ -943,9 +1260,12 @@ class LmdbStore:
                 out[f"{name}_entries"] = s["entries"]
                 used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
             out["used_bytes"] = used
+            names = {bytes(k): rec.session_id(bytes(k), bytes(v), self._hashed_keys)[0]
+                     for k, v in txn.cursor(db=self.dbs[2])}  # key part -> client id
             inline_count = 0
             for key, value in txn.cursor(db=self.dbs[4]):
-                cid, _ = rec.split_client_key(bytes(key))
+                part, _ = rec.split_key(bytes(key))
+                cid = names.get(part) or part.decode("utf-8", "replace")
                 depths[cid] = depths.get(cid, 0) + 1
                 value = bytes(value)
                 mid = rec.from_u64(value)

@@ -4,26 +4,42 @@
 
 Named databases:
 
-==========  ======================================  =====================================================
-database    key                                     value
-==========  ======================================  =====================================================
-meta        name (ASCII)                            JSON
-messages    mid (8 bytes BE)                        :func:`encode_message`
-sessions    client id (UTF-8)                       :func:`encode_session`
-subs        client id, 0x00, filter as written      :func:`encode_subscription`
-queue       client id, 0x00, seq (8 bytes BE)       :func:`encode_delivery` (inflight when packet_id != 0), then
-                                                    the :func:`encode_message` record when no other row
-                                                    references the message (:func:`inline_message`)
-inbound     client id, 0x00, Packet Identifier (2)  mid (8), received_at (float64)
-retained    topic (UTF-8)                           mid (8 bytes BE)
-outbox      upstream name, 0x00, seq (8 bytes BE)   :func:`encode_outbox`: mid (8), QoS (1), remote topic
-==========  ======================================  =====================================================
+==========  ==========================================  =================================================
+database    key                                         value
+==========  ==========================================  =================================================
+meta        name (ASCII)                                JSON
+messages    mid (8 bytes BE)                            :func:`encode_message`
+sessions    N(client id)                                :func:`encode_session`; when the key is hashed, the
+                                                        client id (2-byte length, UTF-8) before it
+subs        N(client id), 0x00, N(filter as written)    :func:`encode_subscription`; when the filter part is
+                                                        hashed, the filter (2-byte length, UTF-8) after it
+queue       N(client id), 0x00, seq (8 bytes BE)        :func:`encode_delivery` (inflight when packet_id != 0),
+                                                        then the :func:`encode_message` record when no other
+                                                        row references the message (:func:`inline_message`)
+inbound     N(client id), 0x00, Packet Identifier (2)   mid (8), received_at (float64)
+retained    N(topic)                                    mid (8 bytes BE); the topic is in the message record
+outbox      N(upstream name), 0x00, seq (8 bytes BE)    :func:`encode_outbox`: mid (8), QoS (1), remote topic
+==========  ==========================================  =================================================
 
-Client identifiers and topics cannot contain U+0000 [MQTT-1.5.4-2], so 0x00 separates key parts safely.
+N(name) is :func:`name_key`: the name's UTF-8 bytes when they are at most 160 bytes (``NAME_MAX``); a longer name
+becomes a fixed 161-byte form (``HASHED_LEN``): its first bytes cut on a UTF-8 boundary (at most 96), padded with
+0x01 to 97 bytes, then the 64-character hex SHA-256 of the whole name. So no key exceeds 161 + 1 + 161 = 323 bytes,
+below LMDB's maximum key size (511 bytes by default), whatever a client sends (MQTT allows 65,535-byte Client
+Identifiers, Topic Filters and Topic Names); a key that LMDB rejects would fail the whole group commit with
+every other client's changes in it (issue 13). A literal name (at most 160 bytes) and a hashed one (161) never
+collide, having different lengths; two long names collide only if SHA-256 does. Client identifiers and topics
+cannot contain U+0000 [MQTT-1.5.4-2] and the hashed form has no 0x00 either, so 0x00 separates key parts safely.
+The full name comes back from the value where the loader needs it (sessions, subscriptions); queue and inbound
+rows are matched to their session by the key part (:func:`split_key`), and retained rows take their topic from
+the message record. The readable head keeps ``mdb_dump``/``store stats`` output recognisable.
+
+Format 3 added the name form; stores of format 1 and 2 wrote names as they were, and are rewritten to it when
+opened (:meth:`~gateway.store.lmdb_store.LmdbStore.load`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 from gateway.broker.broker import NO_IDS
@@ -34,8 +50,12 @@ from gateway.mqtt.packets import PUBLISH, Will
 from gateway.mqtt.primitives import decode_binary, decode_string, decode_vbi, encode_binary, encode_string
 from gateway.mqtt.properties import NO_PROPERTIES, WILL, decode_properties, encode_properties
 
-FORMAT_VERSION = 2  # 2: queue rows may carry their message (version 1 rows never do, so they read the same)
-FORMAT_VERSIONS = (1, 2)  # what this code reads
+FORMAT_VERSION = 3  # 2: queue rows may carry their message (version 1 rows never do); 3: long names hashed in keys
+FORMAT_VERSIONS = (1, 2, 3)  # what this code reads (1 and 2 are rewritten to 3 when a broker opens them)
+NAME_MAX = 160  # bytes: a longer name is hashed in keys (name_key)
+HASHED_LEN = 161  # bytes: the length of a hashed name part
+_HEAD_MAX = 96  # bytes of a long name kept readable in its hashed form
+_HEAD_PAD = 97  # the head padded with 0x01 to this length, then 64 hex characters
 
 _MSG = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
 _MSG_TOPIC = struct.Struct("!BBddH")  # _MSG and the topic's length, read in one go
@@ -59,15 +79,49 @@ def from_u64(data: bytes, pos: int = 0) -> int:
     return _U64.unpack_from(data, pos)[0]
 
 
+def name_key(name: str) -> bytes:
+    """The key part of a name (client id, Topic Filter, topic, upstream link name): its UTF-8 bytes when they are
+    at most ``NAME_MAX`` (160) bytes, else the fixed ``HASHED_LEN`` (161) byte form: the first bytes cut on a
+    UTF-8 boundary (at most 96), padded with 0x01 to 97 bytes, then the hex SHA-256 of the whole name. See the
+    module docstring; callers on hot paths cache the result (``LmdbStore._prefix``)."""
+    data = name.encode("utf-8")
+    if len(data) <= NAME_MAX:
+        return data
+    return hashed_name(data)
+
+
+def hashed_name(data: bytes) -> bytes:
+    """The hashed form of a name's UTF-8 bytes ``data`` (longer than ``NAME_MAX``), ``HASHED_LEN`` bytes."""
+    cut = _HEAD_MAX
+    while cut and data[cut] & 0xC0 == 0x80:  # a continuation byte: the character started before the cut
+        cut -= 1
+    head = data[:cut]
+    return head + b"\x01" * (_HEAD_PAD - len(head)) + hashlib.sha256(data).hexdigest().encode("ascii")
+
+
+def is_hashed(part: bytes) -> bool:
+    """True when a key part is a hashed name (then the full name is in the row's value, or elsewhere)."""
+    return len(part) == HASHED_LEN
+
+
 def client_prefix(client_id: str) -> bytes:
-    """The key prefix of all rows of one session in ``subs``, ``queue`` and ``inbound``."""
-    return client_id.encode("utf-8") + b"\x00"
+    """The key prefix of all rows of one session in ``subs``, ``queue`` and ``inbound`` (and of one upstream link
+    in ``outbox``): :func:`name_key` and 0x00."""
+    return name_key(client_id) + b"\x00"
+
+
+def split_key(key: bytes) -> tuple[bytes, bytes]:
+    """``(name part, rest)`` of a ``subs``/``queue``/``inbound``/``outbox`` key: the name part is the key of the
+    owner's ``sessions`` row (a literal name or a hashed one, :func:`name_key`)."""
+    part, _, rest = key.partition(b"\x00")
+    return part, rest
 
 
 def split_client_key(key: bytes) -> tuple[str, bytes]:
-    """``(client_id, rest)`` of a ``subs``/``queue``/``inbound`` key."""
+    """``(client_id, rest)`` of a ``subs``/``queue``/``inbound`` key whose name part is literal (a client id of at
+    most ``NAME_MAX`` bytes, or any key of a format 1/2 store); a hashed part decodes to its hashed form."""
     cid, _, rest = key.partition(b"\x00")
-    return cid.decode("utf-8"), rest
+    return cid.decode("utf-8", "replace"), rest
 
 
 def _opt(value: float | None) -> float:
@@ -213,6 +267,23 @@ def encode_session(s: Session) -> bytes:
         encode_will(s.will if s.will_at is not None else None)
 
 
+def session_row(s: Session, key: bytes) -> bytes:
+    """The ``sessions`` value of ``s`` under ``key`` (its :func:`name_key`): :func:`encode_session`, after the
+    client id when the key is hashed."""
+    if len(key) == HASHED_LEN:
+        return encode_string(s.client_id) + encode_session(s)
+    return encode_session(s)
+
+
+def session_id(key: bytes, value: bytes, hashed_keys: bool = True) -> tuple[str, bytes]:
+    """``(client id, encode_session record)`` of a ``sessions`` row. ``hashed_keys`` False for a format 1/2 store,
+    whose keys are the client ids as they are."""
+    if hashed_keys and len(key) == HASHED_LEN:
+        client_id, pos = decode_string(value, 0)
+        return client_id, value[pos:]
+    return key.decode("utf-8"), value
+
+
 def decode_session_into(s: Session, data: bytes) -> None:
     """Fill ``s`` from an :func:`encode_session` record."""
     expiry, expires_at, will_at, level = _SESS.unpack_from(data, 0)
@@ -225,9 +296,21 @@ def decode_session_into(s: Session, data: bytes) -> None:
         s.will_at = None
 
 
-def encode_subscription(r: SubscriptionRecord) -> bytes:
-    """A subscription with its options; the key carries the filter as written."""
-    return _SUB.pack(r.qos, r.no_local, r.retain_as_published, r.retain_handling, r.sub_id or 0)
+def encode_subscription(r: SubscriptionRecord, filter_part: bytes = b"") -> bytes:
+    """A subscription with its options; the key carries the filter as written (``filter_part``, its
+    :func:`name_key`), and when that part is hashed the filter follows the options here."""
+    head = _SUB.pack(r.qos, r.no_local, r.retain_as_published, r.retain_handling, r.sub_id or 0)
+    if len(filter_part) == HASHED_LEN:
+        return head + encode_string(r.key)
+    return head
+
+
+def subscription_key(key: bytes, data: bytes) -> str:
+    """The filter as written of a ``subs`` row: from the value when it carries it (a hashed key part), else the
+    key's part after the client's prefix (``key`` is that part)."""
+    if len(data) > _SUB.size:
+        return decode_string(data, _SUB.size)[0]
+    return key.decode("utf-8")
 
 
 def decode_subscription(client_id: str, key: str, data: bytes) -> SubscriptionRecord:
