@@ -379,6 +379,42 @@ def test_mqtt_3_1_paho_mqttv31_client_round_trip(broker: BrokerProcess, paho: An
     assert (msg.topic, msg.payload, msg.qos) == (f"{uid}/t", b"three-one", 2)
 
 
+def test_mqtt_3_1_3_8_v31_paho_empty_client_id_rejected(broker: BrokerProcess, paho: Any) -> None:
+    """MQTT 3.1 §3.1: a 3.1 Client Identifier is 1 to 23 characters and the server assigns none, so a real 3.1
+    client (paho MQTTv31) that sends an empty one is refused with return code 0x02 (paho reports it as reason
+    0x85 Client identifier not valid; 3.1.1 MQTT-3.1.3-9) and disconnected (MQTT-3.2.2-5). paho makes up an id
+    for 3.1 itself, as the spec asks of a client, so the test clears it before connecting."""
+    client = paho(broker.port, "", mqtt.MQTTv31)
+    assert client.client._client_id  # paho's own 3.1 rule: it never sends an empty one
+    client.client._client_id = b""
+    client.client.connect("127.0.0.1", broker.port, keepalive=60)
+    client.client.loop_start()
+    client.looping = True
+    assert client.connected.wait(5), "no CONNACK"
+    assert (client.connect_rc, client.session_present) == (RC.CLIENT_IDENTIFIER_NOT_VALID, False)
+    assert client.disconnected.wait(5), "the broker did not close the connection"
+
+
+def test_mqtt_3_1_2_4_v31_paho_resumed_session_without_session_present(
+    broker: BrokerProcess, paho: Any, uid: str
+) -> None:
+    """MQTT 3.1 §3.2: a 3.1 CONNACK has no Session Present flag (its first byte is reserved, 0), yet a Clean
+    Session 0 reconnect resumes the session (3.1.1 MQTT-3.1.2-4): a real 3.1 client (paho MQTTv31) sees Session
+    Present 0 both times and gets the QoS 1 message queued for it while it was away."""
+    cid, topic = f"v31sp{time.monotonic_ns() % 10**12}", f"{uid}/t"
+    first = paho(broker.port, cid, mqtt.MQTTv31, clean=False).start()
+    assert first.session_present is False
+    first.subscribe(topic, 1)
+    first.disconnect()
+    publish_marker(broker.port, topic)  # queued for the offline session
+    again = paho(broker.port, cid, mqtt.MQTTv31, clean=False).start()
+    assert again.session_present is False
+    msg = again.next_message()
+    assert (msg.topic, msg.payload, msg.qos) == (topic, b"marker", 1)
+    again.disconnect()
+    paho(broker.port, cid, mqtt.MQTTv31, clean=True).start().disconnect()  # Clean Session 1 discards the session
+
+
 def test_v311_mqtt_3_1_2_2_unsupported_protocol_level_connack_0x01(broker: BrokerProcess, raw: Any) -> None:
     """3.1.1 MQTT-3.1.2-2: an unsupported Protocol Level (6) gets CONNACK return code 0x01 (3.1.1 form, no
     properties) and then the connection is closed."""

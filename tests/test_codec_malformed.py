@@ -396,6 +396,32 @@ def test_mqtt_4_7_3_1_v311_publish_with_empty_topic_is_refused() -> None:
 
 
 @BOTH
+@pytest.mark.parametrize("kind", ["subscribe-only", "subscribe-second", "unsubscribe-only", "unsubscribe-second"])
+def test_mqtt_4_7_3_1_empty_topic_filter_is_a_protocol_error(version: int, kind: str) -> None:
+    """MQTT-4.7.3-1 (both specs): an empty Topic Filter in a SUBSCRIBE or UNSUBSCRIBE, alone or after a valid
+    one, makes the whole packet a Protocol Error (0x82) in the codec; no per-filter reason code is given."""
+    props = b"\x00" if version == V5 else b""
+    packets = {
+        "subscribe-only": frame(0x82, h("0001") + props + string(b"") + b"\x01"),
+        "subscribe-second": frame(0x82, h("0001") + props + string(b"a") + b"\x01" + string(b"") + b"\x01"),
+        "unsubscribe-only": frame(0xA2, h("0001") + props + string(b"")),
+        "unsubscribe-second": frame(0xA2, h("0001") + props + string(b"a") + string(b"")),
+    }
+    error = rejects(packets[kind], version, ProtocolError, PROTOCOL)
+    assert "MQTT-4.7.3-1" in str(error)
+
+
+@pytest.mark.parametrize(("flags", "payload"), [(0x02, h("0000")), (0x02, b""), (0x00, b"")])
+def test_mqtt_3_1_3_8_v31_connect_payload_ending_before_client_id_decodes_as_empty(flags: int, payload: bytes) -> None:
+    """MQTT 3.1 §3.1: a 3.1 CONNECT (MQIsdp, level 3) whose payload ends where the Client Identifier should be is
+    decoded with an empty Client Identifier, which the broker refuses with return code 0x02 (3.1 has no
+    server-assigned identifier); in 3.1.1 the same truncation is a Malformed Packet."""
+    (packet,) = feed(frame(0x10, b"\x00\x06MQIsdp\x03" + bytes((flags,)) + h("003c") + payload), V311)
+    assert packet == Connect("", 3, bool(flags & 0x02), 60)
+    malformed(frame(0x10, b"\x00\x04MQTT\x04\x02\x00\x3c"), V311)
+
+
+@BOTH
 @pytest.mark.parametrize("first", [0x32, 0x34])
 def test_mqtt_2_2_1_3_publish_packet_identifier_0_is_malformed(version: int, first: int) -> None:
     """MQTT-2.2.1-3 (3.1.1: MQTT-2.3.1-1): QoS > 0 PUBLISH needs a non-zero Packet Identifier."""

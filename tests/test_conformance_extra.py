@@ -39,7 +39,7 @@ from gateway.mqtt.packets import (
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import ReasonCode as RC
 
-V311, V5 = 4, 5
+V31, V311, V5 = 3, 4, 5
 BOTH = pytest.mark.parametrize("version", [V311, V5], ids=["v311", "v5"])
 _short_ids = itertools.count()
 
@@ -770,14 +770,136 @@ def test_mqtt_4_4_0_2_refused_deliveries_not_retransmitted(broker: BrokerProcess
 # ------------------------------------------------------------------------------------------ topics
 
 
-@BOTH
-def test_mqtt_4_7_3_1_empty_topic_filter_refused(broker: BrokerProcess, raw: Raw, uid: str, version: int) -> None:
-    """MQTT-4.7.3-1: "All Topic Names and Topic Filters MUST be at least one character long". A SUBSCRIBE with an
-    empty Topic Filter gets a failure for it (5.0 0x8F Topic Filter invalid, 3.1.1 0x80) while the other filter of
-    the same SUBSCRIBE is granted."""
-    sub = connected(raw, broker.port, uid, version)
-    failure = RC.TOPIC_FILTER_INVALID if version == V5 else 0x80
-    subscribe(sub, Subscription("", 1), Subscription(f"{uid}/ok", 1), codes=[failure, 1])
+ALL_LEVELS = pytest.mark.parametrize("version", [V31, V311, V5], ids=["v31", "v311", "v5"])
+
+#: A SUBSCRIBE / UNSUBSCRIBE whose only Topic Filter is empty, by kind and wire format (3.1 is 3.1.1's).
+EMPTY_FILTER_PACKETS: dict[str, dict[int, bytes]] = {
+    "subscribe": {V5: b"\x82\x06\x00\x01\x00\x00\x00\x01", V311: b"\x82\x05\x00\x01\x00\x00\x01"},
+    "unsubscribe": {V5: b"\xa2\x05\x00\x01\x00\x00\x00", V311: b"\xa2\x04\x00\x01\x00\x00"},
+}
+
+
+def persistent(raw: Raw, port: int, client_id: str, version: int) -> RawClient:
+    """``client_id`` connected with a session that outlives the connection (Clean Session / Clean Start 0; 5.0: a
+    Session Expiry Interval of 60 s)."""
+    if version == V5:
+        return connected(raw, port, client_id, version, clean=False, SESSION_EXPIRY_INTERVAL=60)
+    return connected(raw, port, client_id, version, clean=False)
+
+
+def check_empty_filter_refused(broker: BrokerProcess, raw: Raw, uid: str, version: int, kind: str, where: str) -> None:
+    """Send a SUBSCRIBE or UNSUBSCRIBE with an empty Topic Filter (alone as exact bytes, or after a valid filter)
+    on a session subscribed to ``<uid>/kept``: 5.0 DISCONNECT 0x82, 3.1.1 and 3.1 a plain close, no SUBACK or
+    UNSUBACK; the packet is refused whole, so the session's subscriptions are what they were before it."""
+    kept, cid = f"{uid}/kept", short_id()
+    client = persistent(raw, broker.port, cid, version)
+    subscribe(client, Subscription(kept, 1))
+    if where == "only":
+        data = EMPTY_FILTER_PACKETS[kind][V5 if version == V5 else V311]
+    elif kind == "subscribe":
+        data = Subscribe(2, [Subscription(f"{uid}/new", 1), Subscription("", 1)]).encode(version)
+    else:
+        data = Unsubscribe(2, [kept, ""]).encode(version)
+    rejected_with(client, data, version, RC.PROTOCOL_ERROR)
+    again = persistent(raw, broker.port, cid, version)
+    marker(raw, broker.port, f"{uid}/new")  # not subscribed by the refused SUBSCRIBE
+    expect_marker_next(again, raw, broker.port, kept)  # not unsubscribed by the refused UNSUBSCRIBE
+    if version == V5:
+        end_session(again, V5)
+    else:
+        again.close()
+        connected(raw, broker.port, cid, version).send(Disconnect())  # Clean Session 1 discards the session
+
+
+@ALL_LEVELS
+@pytest.mark.parametrize("where", ["only", "after-valid"])
+def test_mqtt_4_7_3_1_empty_topic_filter_in_unsubscribe_ends_connection(
+    broker: BrokerProcess, raw: Raw, uid: str, version: int, where: str
+) -> None:
+    """MQTT-4.7.3-1 (both specs): "All Topic Names and Topic Filters MUST be at least one character long". An
+    UNSUBSCRIBE whose Topic Filter is empty (``a2 05 00 01 00 00 00`` in 5.0, ``a2 04 00 01 00 00`` in 3.1.1 and
+    3.1), alone or after a valid one, gets no UNSUBACK: 5.0 DISCONNECT 0x82 (Protocol Error, MQTT-4.13.1-1) and
+    the close; 3.1.1 and 3.1 the close with nothing sent (MQTT-4.8.0-1 of 3.1.1). Nothing of the packet is
+    processed: the valid filter before the empty one stays subscribed."""
+    check_empty_filter_refused(broker, raw, uid, version, "unsubscribe", where)
+
+
+@ALL_LEVELS
+@pytest.mark.parametrize("where", ["only", "after-valid"])
+def test_mqtt_4_7_3_1_empty_topic_filter_in_subscribe_ends_connection(
+    broker: BrokerProcess, raw: Raw, uid: str, version: int, where: str
+) -> None:
+    """MQTT-4.7.3-1 (both specs): a SUBSCRIBE whose Topic Filter is empty (``82 06 00 01 00 00 00 01`` in 5.0,
+    ``82 05 00 01 00 00 01`` in 3.1.1 and 3.1), alone or after a valid one, gets no SUBACK: 5.0 DISCONNECT 0x82
+    and the close, 3.1.1 and 3.1 the close with nothing sent, as for UNSUBSCRIBE (a SUBACK failure code is for a
+    well-formed filter the server does not accept). The valid filter before the empty one is not subscribed."""
+    check_empty_filter_refused(broker, raw, uid, version, "subscribe", where)
+
+
+@ALL_LEVELS
+@pytest.mark.parametrize("qos", [0, 1])
+def test_mqtt_4_7_3_1_empty_topic_name_in_publish_ends_connection(
+    broker: BrokerProcess, raw: Raw, uid: str, version: int, qos: int
+) -> None:
+    """MQTT-4.7.3-1 (both specs): a PUBLISH with an empty Topic Name (5.0: and no Topic Alias, MQTT 5.0 §3.3.2.1)
+    gets DISCONNECT 0x82 and the close in 5.0, the close with nothing sent in 3.1.1 and 3.1; a QoS 1 one gets no
+    PUBACK. Exact bytes: ``30 03 00 00 00`` / ``32 05 00 00 00 01 00`` (5.0), ``30 02 00 00`` / ``32 04 00 00 00
+    01`` (3.1.1, 3.1)."""
+    data = {
+        (V5, 0): b"\x30\x03\x00\x00\x00",
+        (V5, 1): b"\x32\x05\x00\x00\x00\x01\x00",
+        (V311, 0): b"\x30\x02\x00\x00",
+        (V311, 1): b"\x32\x04\x00\x00\x00\x01",
+    }[(V5 if version == V5 else V311, qos)]
+    rejected_with(connected(raw, broker.port, short_id(), version), data, version, RC.PROTOCOL_ERROR)
+
+
+def test_mqtt_4_7_3_1_empty_response_topic_in_publish_ends_connection(
+    broker: BrokerProcess, raw: Raw, uid: str
+) -> None:
+    """MQTT-4.7.3-1 for the Response Topic, a Topic Name (MQTT 5.0 §3.3.2.3.5): a PUBLISH whose Response Topic is
+    empty gets DISCONNECT 0x82 and the close, and is not delivered."""
+    topic = f"{uid}/t"
+    sub = connected(raw, broker.port, f"{uid}-s")
+    subscribe(sub, Subscription(topic, 1))
+    client = connected(raw, broker.port, uid)
+    data = Publish(topic, b"x", 1, packet_id=1, properties={P.RESPONSE_TOPIC: ""}).encode(V5)
+    rejected_with(client, data, V5, RC.PROTOCOL_ERROR)
+    expect_marker_next(sub, raw, broker.port, topic)
+
+
+@ALL_LEVELS
+def test_mqtt_4_7_3_1_empty_will_topic_refused(broker: BrokerProcess, raw: Raw, uid: str, version: int) -> None:
+    """MQTT-4.7.3-1 (both specs) for the Will Topic: a CONNECT whose Will Topic is empty is refused: 5.0 CONNACK
+    0x82 (Protocol Error), Session Present 0, then the close (MQTT-3.2.2-7); 3.1.1 and 3.1 have no fitting
+    return code, so the connection is closed with nothing sent (MQTT-3.2.2-6 of 3.1.1). A PUBLISH written right
+    behind the CONNECT is not processed."""
+    watcher = connected(raw, broker.port, f"{uid}-w", V311)
+    subscribe(watcher, Subscription(f"{uid}/t", 0))
+    client = raw(broker.port, version)
+    client.send(
+        Connect(short_id(), version, True, 60, will=Will("", b"x")).encode(version)
+        + Publish(f"{uid}/t", b"ignored").encode(version)
+    )
+    assert closed(client)
+    if version == V5:
+        (packet,) = client.recv_all(0.05)
+        assert isinstance(packet, Connack), packet
+        assert (packet.session_present, packet.reason_code) == (False, RC.PROTOCOL_ERROR), packet
+    else:
+        assert bytes(client.raw_received) == b""
+    assert barrier(watcher) == []
+
+
+def test_mqtt_4_7_3_1_empty_will_response_topic_refused(broker: BrokerProcess, raw: Raw, uid: str) -> None:
+    """MQTT-4.7.3-1 for the Response Topic in the Will Properties (a Topic Name, MQTT 5.0 §3.1.3.2.5): a CONNECT
+    whose Will Response Topic is empty gets CONNACK 0x82, Session Present 0, and the close."""
+    client = raw(broker.port, V5)
+    client.send(Connect(short_id(), V5, True, 60, will=Will(f"{uid}/w", b"x", properties={P.RESPONSE_TOPIC: ""})))
+    assert closed(client)
+    (packet,) = client.recv_all(0.05)
+    assert isinstance(packet, Connack), packet
+    assert (packet.session_present, packet.reason_code) == (False, RC.PROTOCOL_ERROR), packet
 
 
 @BOTH
@@ -935,6 +1057,72 @@ def test_mqtt_4_8_2_6_shared_message_refused_by_member_is_discarded(broker: Brok
     assert barrier(a) == []
     expect_marker_next(b, raw, broker.port, f"{uid}/marker")
     end_session(a, V5)
+
+
+# ------------------------------------------------------------------------------------------ MQTT 3.1
+# MQTT 3.1 (Protocol Name "MQIsdp", level 3) is served as 3.1.1 except where 3.1 differs; its spec has no numbered
+# statements, so these tests carry the id of the 3.1.1 statement they stand beside (``v31`` in the name).
+
+#: A 3.1 CONNECT variable header (Keep Alive 60) before its Connect Flags: ``00 06 MQIsdp 03``.
+V31_NAME_AND_LEVEL = b"\x00\x06MQIsdp\x03"
+
+
+@pytest.mark.parametrize(
+    ("flags", "payload"),
+    [(0x02, b"\x00\x00"), (0x02, b""), (0x00, b"")],
+    ids=["zero-length-clean-session-1", "payload-ends-clean-session-1", "payload-ends-clean-session-0"],
+)
+def test_mqtt_3_1_3_8_v31_empty_client_id_rejected(
+    broker: BrokerProcess, raw: Raw, uid: str, flags: int, payload: bytes
+) -> None:
+    """MQTT 3.1 §3.1 (CONNECT payload): "The Client Identifier (Client ID) is between 1 and 23 characters long";
+    a 3.1 server assigns none (3.1.1 MQTT-3.1.3-6 came later). A 3.1 CONNECT with a zero-length Client
+    Identifier, or whose payload ends where the Client Identifier should be, gets exactly ``20 02 00 02`` (return
+    code 0x02 Identifier rejected, 3.1.1 MQTT-3.1.3-8 / MQTT-3.1.3-9; Session Present 0, MQTT-3.2.2-4) and the
+    connection is closed (MQTT-3.2.2-5); a PUBLISH written right behind it is not processed."""
+    watcher = connected(raw, broker.port, f"{uid}-w", V311)
+    subscribe(watcher, Subscription(f"{uid}/t", 0))
+    body = V31_NAME_AND_LEVEL + bytes((flags,)) + b"\x00\x3c" + payload
+    client = raw(broker.port, V31)
+    client.send(bytes((0x10, len(body))) + body + Publish(f"{uid}/t", b"ignored").encode(V31))
+    assert closed(client)
+    assert bytes(client.raw_received) == b"\x20\x02\x00\x02"
+    assert barrier(watcher) == []
+
+
+def test_mqtt_3_1_2_4_v31_resumed_session_connack_has_no_session_present(
+    broker: BrokerProcess, raw: Raw, uid: str
+) -> None:
+    """MQTT 3.1 §3.2 (CONNACK): the first byte of the variable header is reserved ("not used") and 0; the Session
+    Present flag is 3.1.1's (MQTT-3.2.2-2). A 3.1 client that reconnects with Clean Session 0 to its stored
+    session gets exactly ``20 02 00 00``, and the session is still resumed (3.1.1 MQTT-3.1.2-4): the outbound
+    QoS 2 flow it left after PUBREC gets its PUBREL again (MQTT-4.4.0-1) and completes, and the subscription still
+    delivers."""
+    cid, topic = short_id(), f"{uid}/t"
+    client = raw(broker.port, V31)
+    assert client.connect(cid, clean_start=False) == Connack(False, 0)
+    subscribe(client, Subscription(topic, 2))
+    pub = connected(raw, broker.port, f"{uid}-p", V311)
+    publish_qos2(pub, topic, b"one", 1)
+    first = next_publish(client)
+    assert (first.payload, first.qos) == (b"one", 2)
+    client.send(PubRec(first.packet_id))  # type: ignore[arg-type]
+    assert client.recv() == PubRel(first.packet_id)  # type: ignore[arg-type]
+    client.close()  # network failure before PUBCOMP: the flow stays in flight in the session
+    again = raw(broker.port, V31)
+    assert again.connect(cid, clean_start=False) == Connack(False, 0)
+    assert bytes(again.raw_received[:4]) == b"\x20\x02\x00\x00"
+    assert again.recv() == PubRel(first.packet_id)  # type: ignore[arg-type]
+    again.send(PubComp(first.packet_id))  # type: ignore[arg-type]
+    publish_qos2(pub, topic, b"two", 2)
+    second = next_publish(again)
+    assert (second.payload, second.qos, second.dup) == (b"two", 2, False)
+    again.send(PubRec(second.packet_id))  # type: ignore[arg-type]
+    assert again.recv() == PubRel(second.packet_id)  # type: ignore[arg-type]
+    again.send(PubComp(second.packet_id))  # type: ignore[arg-type]
+    assert barrier(again) == []
+    again.close()
+    connected(raw, broker.port, cid, V31).send(Disconnect())  # Clean Session 1 discards the session
 
 
 # ------------------------------------------------------------------------------------------ MQTT 3.1.1 only

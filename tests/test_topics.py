@@ -12,7 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.mqtt.topics import SharedFilter, parse_shared, topic_filter_error, topic_matches, topic_name_error
+from gateway.mqtt.errors import ProtocolError
+from gateway.mqtt.reason_codes import ReasonCode
+from gateway.mqtt.topics import (
+    SharedFilter,
+    parse_shared,
+    require_topic,
+    topic_filter_error,
+    topic_matches,
+    topic_name_error,
+)
 
 # ------------------------------------------------------------------------------------------------ Topic Names
 
@@ -30,6 +39,18 @@ def test_mqtt_4_7_3_1_empty_topic_name_is_invalid() -> None:
     assert isinstance(error, str)
     assert "MQTT-4.7.3-1" in error
     assert isinstance(topic_filter_error(""), str)
+
+
+@pytest.mark.parametrize("topic", ["a", "/", " ", "+", "#", "$share/g/a"])
+def test_mqtt_4_7_3_1_require_topic_refuses_only_the_empty_string(topic: str) -> None:
+    """MQTT-4.7.3-1: :func:`require_topic`, the check every topic string read off the wire goes through, returns
+    any non-empty string unchanged (other rules are checked elsewhere) and raises a Protocol Error (0x82) naming
+    the field for an empty one."""
+    assert require_topic(topic, "Will Topic") is topic
+    with pytest.raises(ProtocolError) as info:
+        require_topic("", "Will Topic")
+    assert info.value.reason_code == ReasonCode.PROTOCOL_ERROR
+    assert "Will Topic" in str(info.value) and "MQTT-4.7.3-1" in str(info.value)
 
 
 @pytest.mark.parametrize("topic", ["+", "#", "a/+", "a/#", "sport+", "a#b", "+/x", "a/b/c#"])

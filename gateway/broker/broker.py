@@ -28,6 +28,7 @@ from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, NEVER, C
 from gateway.broker.store import MemoryStore, SessionStore
 from gateway.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
 from gateway.mqtt.packets import (
+    MQTT_3_1,
     MQTT_5,
     PACKET_NAMES,
     Auth,
@@ -49,7 +50,7 @@ from gateway.mqtt.packets import (
 )
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import CONNACK_311, ReasonCode
-from gateway.mqtt.topics import parse_shared, topic_filter_error, topic_name_error
+from gateway.mqtt.topics import parse_shared, require_topic, topic_filter_error, topic_name_error
 
 log = logging.getLogger("gateway.broker")
 
@@ -336,6 +337,11 @@ class Broker:
         client_id = p.client_id
         assigned = None
         if not client_id:
+            if p.protocol_level == MQTT_3_1:
+                # MQTT 3.1 §3.1: a Client Identifier is 1 to 23 characters; none is ever assigned by the server.
+                reason = "MQTT 3.1 needs a Client Identifier of 1 to 23 characters (3.1.1 MQTT-3.1.3-9)"
+                self._refuse(conn, RC.CLIENT_IDENTIFIER_NOT_VALID, reason, now)
+                return
             if not v5 and not p.clean_start:
                 # [MQTT-3.1.3-8]: a zero-byte ClientId needs CleanSession = 1.
                 self._refuse(conn, RC.CLIENT_IDENTIFIER_NOT_VALID,
@@ -352,6 +358,13 @@ class Broker:
             return
         will = p.will
         if will is not None:
+            try:
+                require_topic(will.topic, "Will Topic")
+                if v5 and P.RESPONSE_TOPIC in will.properties:
+                    require_topic(will.properties[P.RESPONSE_TOPIC], "Will Response Topic")
+            except ProtocolError as exc:  # [MQTT-4.7.3-1]: 5.0 CONNACK 0x82; 3.1.1 has no return code: closed
+                self._refuse(conn, exc.reason_code, str(exc), now)
+                return
             error = topic_name_error(will.topic) or _levels_error(will.topic, limits.max_topic_levels)
             if error:
                 if v5:
@@ -479,7 +492,8 @@ class Broker:
                 ack_props[P.RETAIN_AVAILABLE] = 0
         log.debug("%s: %r connected (v%d, clean_start=%s, keep_alive=%d, session_present=%s)", conn.peer,
                   client_id, p.protocol_level, p.clean_start, keep_alive, session_present)
-        self._send(conn, Connack(session_present, 0, ack_props))
+        # MQTT 3.1 has no Session Present flag: the first CONNACK byte is reserved, 0 (the session is resumed).
+        self._send(conn, Connack(session_present and p.protocol_level != MQTT_3_1, 0, ack_props))
 
         # Resume: re-send unacknowledged PUBLISH with DUP=1 and PUBREL, in order [MQTT-4.4.0-1].
         for delivery in list(session.inflight.values()):
@@ -520,10 +534,10 @@ class Broker:
             if alias is not None:
                 props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
             response_topic = props.get(P.RESPONSE_TOPIC)
-            if response_topic is not None and topic_name_error(response_topic):
+            if response_topic is not None and topic_name_error(require_topic(response_topic, "Response Topic")):
                 raise ProtocolError(f"Response Topic {response_topic!r} is not a valid Topic Name [MQTT-3.3.2-14]")
         if not topic:
-            raise ProtocolError("PUBLISH with an empty Topic Name and no Topic Alias [MQTT-3.3.2-1]")
+            require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
         qos = p.qos
         pid = p.packet_id
         self.stats.publish_received += 1

@@ -21,6 +21,7 @@ from gateway.mqtt.primitives import (
 )
 from gateway.mqtt.properties import NO_PROPERTIES, WILL, Properties, decode_properties, encode_properties
 from gateway.mqtt.reason_codes import ReasonCode
+from gateway.mqtt.topics import require_topic
 
 CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
 SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT, AUTH = 8, 9, 10, 11, 12, 13, 14, 15
@@ -424,6 +425,10 @@ def _decode_connect(body: bytes) -> Connect:
     props: Properties = {}
     if level == MQTT_5:
         props, pos = decode_properties(body, pos, CONNECT)
+    if level == MQTT_3_1 and pos == len(body):
+        # MQTT 3.1 has no zero-length or server-assigned Client Identifier (1 to 23 characters): a payload that
+        # ends where it should be is decoded as an empty one, which the broker refuses with CONNACK 0x02.
+        return Connect("", level, bool(flags & 0x02), keep_alive)
     client_id, pos = decode_string(body, pos)
     will = None
     if will_flag:
@@ -476,7 +481,7 @@ def _decode_publish(flags: int, body: bytes, version: int) -> Publish:
     if version == MQTT_5:
         props, pos = decode_properties(body, pos, PUBLISH)
     elif not topic:
-        raise ProtocolError("PUBLISH with an empty Topic Name [MQTT-4.7.3-1]")
+        require_topic(topic, "PUBLISH Topic Name")  # 5.0: the broker checks it once a Topic Alias is resolved
     return Publish(topic, body[pos:], qos, bool(flags & 1), dup, packet_id, props)
 
 
@@ -511,6 +516,7 @@ def _decode_subscribe(body: bytes, version: int) -> Subscribe:
     end = len(body)
     while pos < end:
         topic_filter, pos = decode_string(body, pos)
+        require_topic(topic_filter, "SUBSCRIBE Topic Filter")
         if pos >= end:
             raise MalformedPacket("SUBSCRIBE Topic Filter without Subscription Options")
         opts = body[pos]
@@ -554,7 +560,7 @@ def _decode_unsubscribe(body: bytes, version: int) -> Unsubscribe:
     filters: list[str] = []
     while pos < len(body):
         topic_filter, pos = decode_string(body, pos)
-        filters.append(topic_filter)
+        filters.append(require_topic(topic_filter, "UNSUBSCRIBE Topic Filter"))
     if not filters:
         if version == MQTT_5:
             raise ProtocolError("UNSUBSCRIBE with no Topic Filter [MQTT-3.10.3-2]")
