@@ -84,6 +84,7 @@ _BATCH_ERRORS: tuple[type[BaseException], ...] = (
     lmdb.MapResizedError, lmdb.BadTxnError, lmdb.ReadersFullError, OSError, MemoryError,
 )
 _QUOTA_TEXT = os.strerror(errno.EDQUOT)
+_EIO_TEXT = os.strerror(errno.EIO)
 
 
 def _per_change(exc: BaseException) -> bool:
@@ -109,10 +110,25 @@ def _describe(op: tuple[Any, ...]) -> str:
         f"{len(key)} bytes {shown!r}"
 
 
-def _no_room(exc: BaseException) -> bool:
-    """True when a failed commit means the store or the disk is full: MDB_MAP_FULL, ENOSPC or EDQUOT."""
-    return isinstance(exc, lmdb.MapFullError | lmdb.DiskError) or (
-        isinstance(exc, lmdb.Error) and _QUOTA_TEXT in str(exc))
+def _no_room(exc: BaseException, path: Path | None = None) -> bool:
+    """True when a failed commit means the store or the disk is full: MDB_MAP_FULL, ENOSPC or EDQUOT. LMDB
+    reports a write cut short by a full disk as EIO, so an I/O error while the file system of ``path`` has less than
+    ``_PROBE_FREE`` bytes free counts as a full disk too."""
+    if isinstance(exc, lmdb.MapFullError | lmdb.DiskError):
+        return True
+    if not isinstance(exc, lmdb.Error):
+        return False
+    text = str(exc)
+    return _QUOTA_TEXT in text or (path is not None and _EIO_TEXT in text and _disk_free(path) < _PROBE_FREE)
+
+
+def _disk_free(path: Path) -> int:
+    """Bytes free for unprivileged writers on the file system of ``path`` (``_PROBE_FREE`` when unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return _PROBE_FREE
+    return st.f_bavail * st.f_frsize
 
 
 class StoreError(Exception):
@@ -306,7 +322,7 @@ class LmdbStore:
         except Exception as exc:
             if isinstance(exc, StoreError):
                 raise
-            if _no_room(exc) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+            if _no_room(exc, self.path) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
                 # A full disk is not a damaged store: moving it aside would lose what was acknowledged.
                 raise StoreError(f"store {self.path} cannot be opened: no room on its disk ({exc})") from None
             if self.env is not None:
@@ -485,7 +501,7 @@ class LmdbStore:
                 for key in orphans:
                     txn.delete(key, db=messages)
         except lmdb.Error as exc:
-            if not _no_room(exc):
+            if not _no_room(exc, self.path):
                 raise
             # A full disk at start: what expired stays until a later start (it is not loaded); nothing is lost.
             self.last_write_failed = True
@@ -541,7 +557,7 @@ class LmdbStore:
         try:
             txn.commit()
         except lmdb.Error as exc:
-            if _no_room(exc):
+            if _no_room(exc, self.path):
                 raise StoreError(f"store {self.path} needs to be rewritten to format {rec.FORMAT_VERSION} and there "
                                  f"is no room on its disk ({exc}); free some space and start again") from None
             raise
@@ -751,12 +767,7 @@ class LmdbStore:
     def _probe(self) -> None:
         """While the store is full (``last_write_failed``) and nothing else commits: once the file system has
         ``_PROBE_FREE`` bytes free, commit one tiny write; when it succeeds, new work is taken again."""
-        try:
-            st = os.statvfs(self.path)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = _PROBE_FREE
-        if free < _PROBE_FREE:
+        if _disk_free(self.path) < _PROBE_FREE:
             return
         if self._commit([(_PUT, 0, b"format", str(rec.FORMAT_VERSION).encode())]):
             log.warning("store: writes succeed again (%d bytes used of max_size %d); taking QoS 1/2 messages again",
@@ -805,7 +816,7 @@ class LmdbStore:
                 if applying and not isolate and _per_change(exc):
                     isolate = True  # one change failed: find it, commit the rest
                     continue
-                full = _no_room(exc)
+                full = _no_room(exc, self.path)
                 self._write_failed(f"store {'full' if full else 'write failed'} ({exc})", len(ops), full)
                 return False
         if self.last_write_failed:
