@@ -534,8 +534,9 @@ class Broker:
             if alias is not None:
                 props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
             response_topic = props.get(P.RESPONSE_TOPIC)
-            if response_topic is not None and topic_name_error(require_topic(response_topic, "Response Topic")):
-                raise ProtocolError(f"Response Topic {response_topic!r} is not a valid Topic Name [MQTT-3.3.2-14]")
+            # One pass, as before: topic_name_error holds the MQTT-4.7.3-1 rule too (no second call per message).
+            if response_topic is not None and (bad := topic_name_error(response_topic)):
+                raise ProtocolError(f"Response Topic {response_topic!r}: {bad} [MQTT-3.3.2-14]")
         if not topic:
             require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
         qos = p.qos

@@ -13,11 +13,12 @@ EMPTY_TOPIC = "must be at least one character long [MQTT-4.7.3-1]"
 def require_topic(topic: str, what: str) -> str:
     """Return ``topic`` if it is at least one character long; otherwise raise :class:`ProtocolError`.
 
-    [MQTT-4.7.3-1]: "All Topic Names and Topic Filters MUST be at least one character long". This is the one
-    check of that rule for every topic string read off the wire (PUBLISH Topic Name, SUBSCRIBE and UNSUBSCRIBE
-    Topic Filters, Will Topic, Response Topic): the codec or the broker calls it and the connection ends, MQTT 5
+    [MQTT-4.7.3-1]: "All Topic Names and Topic Filters MUST be at least one character long". This is the check
+    of that rule for the topic strings read off the wire (PUBLISH Topic Name, SUBSCRIBE and UNSUBSCRIBE Topic
+    Filters, Will Topic, Will Response Topic): the codec or the broker calls it and the connection ends, MQTT 5
     with DISCONNECT (or CONNACK) 0x82 Protocol Error, 3.1.1 by closing it (3.1.1 MQTT-4.8.0-1). On the PUBLISH
-    hot path callers test ``not topic`` first and call it only to raise.
+    hot path callers test ``not topic`` first and call it only to raise; a PUBLISH Response Topic is checked by
+    :func:`topic_name_error` (same rule, same words), in the one pass the broker already makes over it.
 
     Args:
         topic: the decoded string.
