@@ -25,10 +25,18 @@ class QoS1Pair:
         count: messages to publish.
         interval: seconds between publishes (spreads the exchange over the hostile client's activity).
         version: paho protocol (``mqtt.MQTTv311`` or ``mqtt.MQTTv5``).
+        max_inflight: QoS 1 messages the publisher leaves unacknowledged at most (paho does not follow the
+            broker's Receive Maximum by itself: keep this at or below ``max_awaiting_rel``).
     """
 
     def __init__(
-        self, port: int, name: str, count: int = 200, interval: float = 0.005, version: Any = mqtt.MQTTv311
+        self,
+        port: int,
+        name: str,
+        count: int = 200,
+        interval: float = 0.005,
+        version: Any = mqtt.MQTTv311,
+        max_inflight: int = 20,
     ) -> None:
         self.port = port
         self.name = name
@@ -50,7 +58,7 @@ class QoS1Pair:
         self.sub.on_connect = self._on_sub_connect
         self.sub.on_subscribe = lambda *a: self._subscribed.set()
         self.pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-pub", **kw)
-        self.pub.max_inflight_messages_set(20)
+        self.pub.max_inflight_messages_set(max_inflight)
         self.pub.on_publish = self._on_publish
 
     def _on_sub_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
