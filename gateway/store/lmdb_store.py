@@ -1213,8 +1213,12 @@ class LmdbStore:
         headroom = limit - self._room_below
         self.refused += 1
         if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-            log.error("store full: %d of %d bytes used (headroom %d); refusing new QoS 1/2 messages (%d refused)",
-                      self.used_bytes, limit, headroom, self.refused)
+            if self.used_bytes < self._room_below:  # the last commit found no room: a full disk (or a huge batch)
+                log.error("store full: the last commit found no room (%d of max_size %d bytes used); refusing new "
+                          "QoS 1/2 messages until a write succeeds (%d refused)", self.used_bytes, limit, self.refused)
+            else:
+                log.error("store full: %d of %d bytes used (headroom %d); refusing new QoS 1/2 messages (%d refused)",
+                          self.used_bytes, limit, headroom, self.refused)
         return False
 
     def pending(self) -> bool:
