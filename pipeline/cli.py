@@ -11,10 +11,12 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from gateway.values import parse_duration, parse_size
 from pipeline import __version__
-from pipeline.util import parse_date, parse_duration, parse_instant, parse_size
+from pipeline.util import parse_date, parse_instant
 
 DESCRIPTION = f"""\
 fleet-pipeline {__version__}: the fleet data pipeline (lander + PySpark jobs + report).
@@ -46,6 +48,23 @@ def _confs(pairs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--conf expects KEY=VALUE, got {pair!r}")
         out[key.strip()] = value.strip()
     return out
+
+
+def _option(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from a :mod:`gateway.values` parser: a bad value is reported as
+    ``argument --NAME: 'VALUE': must be <what is allowed>`` (exit 2), not a traceback."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+_DURATION = _option(parse_duration)
+_SIZE = _option(parse_size)
 
 
 def _add_paths(p: argparse.ArgumentParser) -> None:
@@ -94,11 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     land.add_argument("--client-id", default="fleet-lander", help="also names the session the broker keeps")
     land.add_argument("--mqtt-version", choices=["5", "3.1.1"], default="5")
-    land.add_argument("--session-expiry", default="7d", help="MQTT 5 Session Expiry Interval (default %(default)s)")
+    land.add_argument(
+        "--session-expiry", type=_DURATION, default="7d", help="MQTT 5 Session Expiry Interval (default %(default)s)"
+    )
     land.add_argument("--keepalive", type=int, default=30)
-    land.add_argument("--roll-size", default="64MB", help="roll when this many bytes are pending (%(default)s)")
-    land.add_argument("--roll-interval", default="60s", help="...or the oldest pending message is this old")
-    land.add_argument("--idle", default="1s", help="...or the broker has been quiet this long")
+    land.add_argument(
+        "--roll-size", type=_SIZE, default="64MB", help="roll when this many bytes are pending (%(default)s; MB = MiB)"
+    )
+    land.add_argument(
+        "--roll-interval", type=_DURATION, default="60s", help="...or the oldest pending message is this old"
+    )
+    land.add_argument("--idle", type=_DURATION, default="1s", help="...or the broker has been quiet this long")
     land.add_argument(
         "--max-pending",
         type=int,
@@ -113,17 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("stage", choices=["clean", "dedup", "windows", "completeness", "latency", "all"])
     _add_range(run)
     _add_paths(run)
-    run.add_argument("--lateness", default="2d", help="landing dates read past --to (default %(default)s)")
-    run.add_argument("--lookback", default="1d", help="completeness: days read before --from (default %(default)s)")
-    run.add_argument("--max-clock-skew", default="5m", help="clamp sensor clocks further off than this")
-    run.add_argument("--grace", default="1h", help="completeness: a period is closed this long after its end")
+    run.add_argument(
+        "--lateness", type=_DURATION, default="2d", help="landing dates read past --to (default %(default)s)"
+    )
+    run.add_argument(
+        "--lookback", type=_DURATION, default="1d", help="completeness: days read before --from (default %(default)s)"
+    )
+    run.add_argument("--max-clock-skew", type=_DURATION, default="5m", help="clamp sensor clocks further off than this")
+    run.add_argument(
+        "--grace", type=_DURATION, default="1h", help="completeness: a period is closed this long after its end"
+    )
     run.add_argument("--as-of", type=parse_instant, help="'now' for closed periods (RFC 3339; default: now)")
 
     stream = sub.add_parser("stream", help="Structured Streaming over the landing area")
     _add_paths(stream)
     stream.add_argument("--checkpoint", default="var/pipeline/checkpoints")
     stream.add_argument("--watermark", default="10 minutes", help="event-time watermark delay (%(default)s)")
-    stream.add_argument("--max-clock-skew", default="5m")
+    stream.add_argument("--max-clock-skew", type=_DURATION, default="5m")
     stream.add_argument("--trigger", choices=["available_now", "processing_time"], default="available_now")
     stream.add_argument("--interval", default="1 minute", help="processing_time trigger interval")
     stream.add_argument("--max-files-per-trigger", type=int)
@@ -155,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             topics=args.topics or ["sensors/+/+"],
             client_id=args.client_id,
             mqtt_version=5 if args.mqtt_version == "5" else 4,
-            session_expiry=parse_duration(args.session_expiry),
+            session_expiry=args.session_expiry,
             keepalive=args.keepalive,
-            roll_bytes=parse_size(args.roll_size),
-            roll_seconds=parse_duration(args.roll_interval),
-            idle_seconds=parse_duration(args.idle),
+            roll_bytes=args.roll_size,
+            roll_seconds=args.roll_interval,
+            idle_seconds=args.idle,
             max_pending=args.max_pending,
             username=args.username,
             password=os.environ.get("FLEET_MQTT_PASSWORD"),
@@ -173,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = jobs.JobConfig(
             landing=args.landing,
             tables=args.tables,
-            lateness=parse_duration(args.lateness),
-            lookback=parse_duration(args.lookback),
-            max_clock_skew=parse_duration(args.max_clock_skew),
-            grace=parse_duration(args.grace),
+            lateness=args.lateness,
+            lookback=args.lookback,
+            max_clock_skew=args.max_clock_skew,
+            grace=args.grace,
             as_of=args.as_of,
         )
         spark = _spark(args)
@@ -197,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             args.tables,
             args.checkpoint,
             args.watermark,
-            parse_duration(args.max_clock_skew),
+            args.max_clock_skew,
             args.trigger,
             args.interval,
             args.max_files_per_trigger,

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from firmware_bridge.frames import DEFAULT_MAX_LINE, DEVICE_RE, NMEA_MAX_LINE
+from gateway.values import address_allowed, check_value, is_unix_path, parse_address
 
 DEFAULT_CONFIG = "/etc/firmware-bridge/bridge.toml"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -87,13 +88,13 @@ class MqttConfig:
 
     @property
     def is_unix(self) -> bool:
-        return self.broker.startswith("/") or self.broker.startswith("./")
+        """True when ``broker`` is a Unix socket path."""
+        return is_unix_path(self.broker)
 
     def host_port(self) -> tuple[str, int]:
-        host, _, port = self.broker.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        return host, int(port)
+        """``(host, port)`` of a TCP ``broker``; an IPv6 host in brackets is unwrapped."""
+        address = parse_address(self.broker)
+        return address.host, address.port
 
 
 @dataclass(slots=True)
@@ -106,25 +107,6 @@ class BridgeConfig:
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     ports: list[PortConfig] = field(default_factory=list)
     source: str = "<defaults>"
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or ``"250ms"``, ``"30s"``, ``"5m"``, ``"2h"``, ``"7d"``."""
-    if isinstance(value, bool):
-        raise ValueError("not a duration")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("negative")
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
-    raise ValueError("not a duration")
 
 
 class _Checker:
@@ -141,20 +123,16 @@ class _Checker:
         return value
 
     def int_(self, where: str, value: Any, low: int, high: int) -> int | None:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            self.errors.append(f"{where} = {value!r}: must be an integer {low}..{high}")
-            return None
-        return value
+        return check_value("", where, value, self.errors, ("int", low, high, f"an integer {low}..{high}"))
 
     def duration(self, where: str, value: Any, low: float, high: float) -> float | None:
-        try:
-            seconds = parse_duration(value)
-            if not low <= seconds <= high:
-                raise ValueError
-        except ValueError:
-            self.errors.append(f'{where} = {value!r}: must be a duration {low:g}..{high:g} s such as "5s"')
-            return None
-        return seconds
+        """Seconds (see :func:`gateway.values.parse_duration`) in ``low..high``."""
+        allowed = f'a duration {low:g}..{high:g} s such as "5s"'
+        return check_value("", where, value, self.errors, ("duration", low, high, allowed))
+
+    def address(self, where: str, value: Any) -> str | None:
+        """``"host:port"`` (port 1..65535) or a Unix socket path."""
+        return check_value("", where, value, self.errors, ("address", 1, 65535, address_allowed(1)))
 
     def str_(
         self,
@@ -180,10 +158,7 @@ class _Checker:
         return value
 
     def bool_(self, where: str, value: Any) -> bool | None:
-        if not isinstance(value, bool):
-            self.errors.append(f"{where} = {value!r}: must be true or false")
-            return None
-        return value
+        return check_value("", where, value, self.errors, ("bool", 0, 1, "true or false"))
 
 
 _BRIDGE_KEYS = {"gateway_id", "log_level", "stats_interval", "stats_file", "command_timeout"}
@@ -240,13 +215,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
     mqtt = c.table("mqtt", data.get("mqtt", {}), _MQTT_KEYS)
     m = cfg.mqtt
     if "broker" in mqtt:
-        broker = c.str_("mqtt.broker", mqtt["broker"])
-        if broker is not None:
-            m.broker = broker
-            if not m.is_unix:
-                host, sep, port = broker.rpartition(":")
-                if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                    c.errors.append(f'mqtt.broker = {broker!r}: must be "host:port" or a Unix socket path')
+        m.broker = c.address("mqtt.broker", mqtt["broker"]) or m.broker
     if "client_id" in mqtt:
         m.client_id = c.str_("mqtt.client_id", mqtt["client_id"], empty_ok=True) or ""
     for key, low, high in (("keepalive", 0, 65535), ("buffer", 1, 10_000_000), ("window", 1, 1000)):

@@ -15,13 +15,13 @@ Layout (DESIGN.md §6)::
     bind = "127.0.0.1:1884"
     max_inflight = 128
 
-Durations accept seconds as a number or "30s", "5m", "2h", "7d" (DESIGN.md §3).
+Durations, sizes and addresses are read by :mod:`gateway.values` (sizes in powers of 1024: "1MB" = 1 MiB).
 """
 
 from __future__ import annotations
 
+import math
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
 from gateway.store.lmdb_store import StoreSettings
+from gateway.values import ADDRESS_ALLOWED, ValueSpec, check_value, is_unix_path, parse_address
 
 if TYPE_CHECKING:
     from gateway.upstream.config import UpstreamConfig
@@ -63,14 +64,12 @@ class ListenerConfig:
     @property
     def is_unix(self) -> bool:
         """True when ``bind`` is a Unix socket path."""
-        return self.bind.startswith("/") or self.bind.startswith("./")
+        return is_unix_path(self.bind)
 
     def host_port(self) -> tuple[str, int]:
         """``(host, port)`` of a TCP bind; IPv6 hosts in brackets are unwrapped."""
-        host, _, port = self.bind.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        return host, int(port)
+        address = parse_address(self.bind)
+        return address.host, address.port
 
 
 @dataclass(slots=True)
@@ -88,47 +87,8 @@ class GatewayConfig:
     upstreams: list[UpstreamConfig] = field(default_factory=list)  # [[upstream]] (gateway/upstream/)
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or a string like ``"30s"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"250ms"``.
-
-    Raises:
-        ValueError: anything else, or a negative number.
-    """
-    if isinstance(value, bool):
-        raise ValueError("not a duration")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("negative")
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
-    raise ValueError("not a duration")
-
-
-def parse_size(value: Any) -> int:
-    """Bytes from an integer or ``"512KB"``, ``"1MB"``, ``"2GB"`` (powers of 1024)."""
-    if isinstance(value, bool):
-        raise ValueError("not a size")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError("negative")
-        return value
-    if isinstance(value, str):
-        m = re.match(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$", value, re.IGNORECASE)
-        if m:
-            unit = (m.group(2) or "B").upper().replace("I", "")
-            return int(m.group(1)) * {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}[unit]
-    raise ValueError("not a size")
-
-
 # key -> (kind, low, high, description of what is allowed)
-_LIMIT_KEYS: dict[str, tuple[str, float, float, str]] = {
+_LIMIT_KEYS: dict[str, ValueSpec] = {
     "max_inflight": ("int", 0, 65535, "an integer 0..65535 (0 = no limit)"),
     "max_mqueue_len": ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"),
     "max_mqueue_bytes": ("size", 0, 2**40, 'a size such as "64MB" (0 = no limit)'),
@@ -152,6 +112,10 @@ _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id", "max_sessions"}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
+_BIND: ValueSpec = ("address", 0, 65535, ADDRESS_ALLOWED)
+_SYS_INTERVAL: ValueSpec = ("duration", 0, math.inf, 'a duration such as "10s" (0 = off)')
+_STORE_MAX_SIZE: ValueSpec = ("size", 4 * 1024 * 1024, 2**62, 'a size of at least 4MB such as "1GB"')
+_COMMIT_INTERVAL: ValueSpec = ("duration", 0, 1, 'a duration 0..1s such as "2ms"')
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit", "mqueue_mem_len"}
 
 
@@ -164,51 +128,6 @@ def default_store_path() -> str:
     if state:
         return os.path.join(state.split(":")[0], "store")
     return "var"
-
-
-ValueSpec = tuple[str, float, float, str]  # kind (int, number, bool, duration, size), low, high, what is allowed
-
-
-def check_value(where: str, key: str, value: Any, errors: list[str], spec: ValueSpec) -> Any:
-    """The parsed value of ``where.key``, or ``None`` after appending one line to ``errors`` that names the key,
-    the value and what is allowed."""
-    kind, low, high, allowed = spec
-    try:
-        if kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError
-            parsed: Any = value
-        elif kind == "number":
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError
-            parsed = float(value)
-        elif kind == "bool":
-            if not isinstance(value, bool):
-                raise ValueError
-            return value
-        elif kind == "duration":
-            parsed = parse_duration(value)
-        else:
-            parsed = parse_size(value)
-        if not low <= parsed <= high:
-            raise ValueError
-    except ValueError:
-        errors.append(f"{where}.{key} = {value!r}: must be {allowed}")
-        return None
-    return parsed
-
-
-def _check_bind(where: str, value: Any, errors: list[str]) -> str | None:
-    if not isinstance(value, str) or not value:
-        errors.append(f'{where}.bind = {value!r}: must be "host:port" or a Unix socket path')
-        return None
-    if value.startswith("/") or value.startswith("./"):
-        return value
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        errors.append(f'{where}.bind = {value!r}: must be "host:port" (port 0..65535) or a Unix socket path')
-        return None
-    return value
 
 
 def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig:
@@ -230,10 +149,9 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
         if key not in _BROKER_KEYS:
             errors.append(f"broker.{key}: unknown key; allowed: {', '.join(sorted(_BROKER_KEYS))}")
         elif key == "sys_interval":
-            try:
-                cfg.broker.sys_interval = parse_duration(value)
-            except ValueError:
-                errors.append(f'broker.sys_interval = {value!r}: must be a duration such as "10s" (0 = off)')
+            interval = check_value("broker", key, value, errors, _SYS_INTERVAL)
+            if interval is not None:
+                cfg.broker.sys_interval = interval
         elif key == "log_level":
             if value not in LOG_LEVELS:
                 errors.append(f"broker.log_level = {value!r}: must be one of {', '.join(LOG_LEVELS)}")
@@ -255,6 +173,8 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
             if parsed is not None:
                 cfg.broker.max_sessions = parsed
         elif key == "gateway_id":
+            # imported here, not at the top, only because the gateway.upstream package loads aiomqtt, which a
+            # configuration without [[upstream]] does not need; upstream.config imports nothing from this module
             from gateway.upstream.config import gateway_id_error
 
             why = gateway_id_error(value)
@@ -264,7 +184,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 cfg.gateway_id = value
     _load_store(cfg, data.get("store", {}), errors)
     if "upstream" in data:
-        from gateway.upstream.config import default_gateway_id, parse_upstreams
+        from gateway.upstream.config import default_gateway_id, parse_upstreams  # (see gateway_id above)
 
         cfg.upstreams = parse_upstreams(data["upstream"], cfg.gateway_id or default_gateway_id(), errors)
     listeners = data.get("listeners")
@@ -290,7 +210,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
             if key not in _LISTENER_KEYS:
                 errors.append(f"{where}.{key}: unknown key; allowed: {', '.join(sorted(_LISTENER_KEYS))}")
             elif key == "bind":
-                bind = _check_bind(where, value, errors)
+                bind = check_value(where, key, value, errors, _BIND)
             elif key == "zone":
                 continue
             else:
@@ -325,21 +245,13 @@ def _load_store(cfg: GatewayConfig, table: Any, errors: list[str]) -> None:
             else:
                 cfg.store.path = value
         elif key == "max_size":
-            try:
-                size = parse_size(value)
-                if size < 4 * 1024 * 1024:
-                    raise ValueError
+            size = check_value("store", key, value, errors, _STORE_MAX_SIZE)
+            if size is not None:
                 cfg.store.max_size = size
-            except ValueError:
-                errors.append(f'store.max_size = {value!r}: must be a size of at least 4MB such as "1GB"')
         elif key == "commit_interval":
-            try:
-                interval = parse_duration(value)
-                if interval > 1:
-                    raise ValueError
+            interval = check_value("store", key, value, errors, _COMMIT_INTERVAL)
+            if interval is not None:
                 cfg.store.commit_interval = interval
-            except ValueError:
-                errors.append(f'store.commit_interval = {value!r}: must be a duration 0..1s such as "2ms"')
         elif key == "group_commit":
             if not isinstance(value, bool):
                 errors.append(f"store.group_commit = {value!r}: must be true (default) or false (one fsync per "

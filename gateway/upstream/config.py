@@ -49,7 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.mqtt.topics import topic_filter_error, topic_name_error
-from gateway.server.config import check_value
+from gateway.values import ValueSpec, check_value
 
 ORDERS = ("backlog_first", "live_first")
 PROTOCOLS = {"5": 5, "5.0": 5, "3.1.1": 4}
@@ -130,7 +130,7 @@ class UpstreamConfig:
 
 
 # key -> (kind, low, high, what is allowed)
-_NUMERIC: dict[str, tuple[str, float, float, str]] = {
+_NUMERIC: dict[str, ValueSpec] = {
     "keep_alive": ("duration", 0, 65535, 'a duration 0..65535s such as "60s" (0 = off)'),
     "drain_rate": ("number", 0, 1e9, "messages per second >= 0 (0 = unpaced)"),
     "drain_bytes": ("size", 0, 2**40, 'bytes per second such as "256KB" (0 = unpaced)'),
