@@ -63,8 +63,9 @@ def _option(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
-_DURATION = _option(parse_duration)
-_SIZE = _option(parse_size)
+def _add_duration(p: argparse.ArgumentParser, name: str, default: str, help_text: str | None = None) -> None:
+    """An option in seconds, given as ``30s``, ``5m``, ``250ms``... (see :func:`gateway.values.parse_duration`)."""
+    p.add_argument(name, type=_option(parse_duration), default=default, help=help_text)
 
 
 def _add_paths(p: argparse.ArgumentParser) -> None:
@@ -113,17 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     land.add_argument("--client-id", default="fleet-lander", help="also names the session the broker keeps")
     land.add_argument("--mqtt-version", choices=["5", "3.1.1"], default="5")
-    land.add_argument(
-        "--session-expiry", type=_DURATION, default="7d", help="MQTT 5 Session Expiry Interval (default %(default)s)"
-    )
+    _add_duration(land, "--session-expiry", "7d", "MQTT 5 Session Expiry Interval (default %(default)s)")
     land.add_argument("--keepalive", type=int, default=30)
     land.add_argument(
-        "--roll-size", type=_SIZE, default="64MB", help="roll when this many bytes are pending (%(default)s; MB = MiB)"
+        "--roll-size",
+        type=_option(parse_size),
+        default="64MB",
+        help="roll when this many bytes are pending (%(default)s; MiB)",
     )
-    land.add_argument(
-        "--roll-interval", type=_DURATION, default="60s", help="...or the oldest pending message is this old"
-    )
-    land.add_argument("--idle", type=_DURATION, default="1s", help="...or the broker has been quiet this long")
+    _add_duration(land, "--roll-interval", "60s", "...or the oldest pending message is this old")
+    _add_duration(land, "--idle", "1s", "...or the broker has been quiet this long")
     land.add_argument(
         "--max-pending",
         type=int,
@@ -138,23 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("stage", choices=["clean", "dedup", "windows", "completeness", "latency", "all"])
     _add_range(run)
     _add_paths(run)
-    run.add_argument(
-        "--lateness", type=_DURATION, default="2d", help="landing dates read past --to (default %(default)s)"
-    )
-    run.add_argument(
-        "--lookback", type=_DURATION, default="1d", help="completeness: days read before --from (default %(default)s)"
-    )
-    run.add_argument("--max-clock-skew", type=_DURATION, default="5m", help="clamp sensor clocks further off than this")
-    run.add_argument(
-        "--grace", type=_DURATION, default="1h", help="completeness: a period is closed this long after its end"
-    )
+    _add_duration(run, "--lateness", "2d", "landing dates read past --to (default %(default)s)")
+    _add_duration(run, "--lookback", "1d", "completeness: days read before --from (default %(default)s)")
+    _add_duration(run, "--max-clock-skew", "5m", "clamp sensor clocks further off than this")
+    _add_duration(run, "--grace", "1h", "completeness: a period is closed this long after its end")
     run.add_argument("--as-of", type=parse_instant, help="'now' for closed periods (RFC 3339; default: now)")
 
     stream = sub.add_parser("stream", help="Structured Streaming over the landing area")
     _add_paths(stream)
     stream.add_argument("--checkpoint", default="var/pipeline/checkpoints")
     stream.add_argument("--watermark", default="10 minutes", help="event-time watermark delay (%(default)s)")
-    stream.add_argument("--max-clock-skew", type=_DURATION, default="5m")
+    _add_duration(stream, "--max-clock-skew", "5m")
     stream.add_argument("--trigger", choices=["available_now", "processing_time"], default="available_now")
     stream.add_argument("--interval", default="1 minute", help="processing_time trigger interval")
     stream.add_argument("--max-files-per-trigger", type=int)

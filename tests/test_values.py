@@ -53,15 +53,6 @@ def test_parse_duration_accepts_seconds_and_units(value: Any, seconds: float) ->
     assert isinstance(parse_duration(value), float)
 
 
-@pytest.mark.parametrize(
-    "value", [-1, -0.5, True, False, math.nan, math.inf, None, "", "5 minutes", "5S", "-5s", "1e3", "5w", "s", [1]]
-)
-def test_parse_duration_refuses_naming_value_and_allowed(value: Any) -> None:
-    with pytest.raises(ValueError) as info:
-        parse_duration(value)
-    assert str(info.value) == f"{value!r}: must be {DURATION_ALLOWED}"
-
-
 # --- sizes (bytes, powers of 1024) ---
 
 
@@ -88,13 +79,6 @@ def test_parse_size_counts_in_powers_of_1024(value: Any, size: int) -> None:
     assert parse_size(value) == size
 
 
-@pytest.mark.parametrize("value", [-1, True, 1.5, math.inf, None, "", "1.5MB", "64 megabytes", "64M", "MB", "-1KB"])
-def test_parse_size_refuses_naming_value_and_allowed(value: Any) -> None:
-    with pytest.raises(ValueError) as info:
-        parse_size(value)
-    assert str(info.value) == f"{value!r}: must be {SIZE_ALLOWED}"
-
-
 # --- addresses ---
 
 
@@ -117,31 +101,39 @@ def test_parse_address_tcp_and_unix(value: str, address: Address) -> None:
     assert str(parsed) == value
 
 
+_BAD_DURATIONS = [-1, -0.5, True, False, math.nan, math.inf, None, "", "5 minutes", "5S", "-5s", "1e3", "5w", "s", [1]]
+_BAD_SIZES = [-1, True, 1.5, math.inf, None, "", "1.5MB", "64 megabytes", "64M", "MB", "-1KB"]
+_BAD_ADDRESSES = [
+    None,
+    1883,
+    "",
+    "localhost",
+    "localhost:",
+    ":1883",
+    "host:70000",
+    "host:-1",
+    "host:http",
+    "host:١٢٣",  # Arabic-Indic digits: str.isdigit() says yes, a port number they are not
+    "::1:1883",  # which colon ends the host? IPv6 goes in brackets
+    "[]:1883",
+    "[::1:1883",
+    "my host:1883",
+    "a/b:1883",
+    "run/mqtt.sock",  # relative socket paths start with ./
+]
+
+
 @pytest.mark.parametrize(
-    "value",
-    [
-        None,
-        1883,
-        "",
-        "localhost",
-        "localhost:",
-        ":1883",
-        "host:70000",
-        "host:-1",
-        "host:http",
-        "host:١٢٣",  # Arabic-Indic digits: str.isdigit() says yes, a port number they are not
-        "::1:1883",  # which colon ends the host? IPv6 goes in brackets
-        "[]:1883",
-        "[::1:1883",
-        "my host:1883",
-        "a/b:1883",
-        "run/mqtt.sock",  # relative socket paths start with ./
-    ],
+    ("parse", "allowed", "value"),
+    [(parse_duration, DURATION_ALLOWED, v) for v in _BAD_DURATIONS]
+    + [(parse_size, SIZE_ALLOWED, v) for v in _BAD_SIZES]
+    + [(parse_address, ADDRESS_ALLOWED, v) for v in _BAD_ADDRESSES],
 )
-def test_parse_address_refuses_naming_value_and_allowed(value: Any) -> None:
+def test_parsers_refuse_naming_value_and_allowed(parse: Any, allowed: str, value: Any) -> None:
+    """Every parser's ValueError reads ``<value!r>: must be <what is allowed>``."""
     with pytest.raises(ValueError) as info:
-        parse_address(value)
-    assert str(info.value) == f"{value!r}: must be {ADDRESS_ALLOWED}"
+        parse(value)
+    assert str(info.value) == f"{value!r}: must be {allowed}"
 
 
 def test_parse_address_min_port_for_clients() -> None:
@@ -270,22 +262,30 @@ def test_upstream_config_does_not_import_server_config() -> None:
     assert result.stdout.strip() == "False"
 
 
+def _check_config(tmp_path: Path, module: str, text: str, returncode: int) -> str:
+    """``python -m <module> check-config FILE`` on ``text``: its stderr, after checking the exit code."""
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    result = _run("-m", module, "check-config", str(path))
+    assert result.returncode == returncode, result
+    return result.stderr
+
+
 def test_gateway_check_config_names_bad_bind_and_size(tmp_path: Path) -> None:
     """edge-gateway check-config: a bind without brackets around IPv6 and an unknown size unit, one line each."""
-    path = tmp_path / "gw.toml"
-    path.write_text('[listeners.a]\nbind = "::1:1883"\nmax_mqueue_bytes = "64 megabytes"\n')
-    result = _run("-m", "gateway", "check-config", str(path))
-    assert result.returncode == 1, result
-    assert "listeners.a.bind = '::1:1883': must be \"host:port\" (port 0..65535) or a Unix socket path" in result.stderr
-    assert "listeners.a.max_mqueue_bytes = '64 megabytes': must be a size such as \"64MB\" (0 = no limit)" in result.stderr
+    stderr = _check_config(
+        tmp_path, "gateway", '[listeners.a]\nbind = "::1:1883"\nmax_mqueue_bytes = "64 megabytes"\n', 1
+    )
+    assert "listeners.a.bind = '::1:1883': must be \"host:port\" (port 0..65535) or a Unix socket path" in stderr
+    assert "listeners.a.max_mqueue_bytes = '64 megabytes': must be a size such as \"64MB\" (0 = no limit)" in stderr
 
 
 def test_bridge_broker_address_error_names_the_port_range(tmp_path: Path) -> None:
-    path = tmp_path / "bridge.toml"
-    path.write_text('[mqtt]\nbroker = "127.0.0.1:0"\n[[ports]]\npath = "/dev/null"\n')
-    result = _run("-m", "firmware_bridge", "check-config", str(path))
-    assert result.returncode == 78, result
-    assert "mqtt.broker = '127.0.0.1:0': must be \"host:port\" (port 1..65535) or a Unix socket path" in result.stderr
+    """firmware-bridge connects, so port 0 is refused, and the line says which ports are allowed."""
+    stderr = _check_config(
+        tmp_path, "firmware_bridge", '[mqtt]\nbroker = "127.0.0.1:0"\n[[ports]]\npath = "/dev/null"\n', 78
+    )
+    assert "mqtt.broker = '127.0.0.1:0': must be \"host:port\" (port 1..65535) or a Unix socket path" in stderr
 
 
 def test_pipeline_option_error_names_option_value_and_allowed() -> None:
