@@ -121,12 +121,14 @@ def parse_address(value: Any, min_port: int = 0) -> Address:
         if is_unix_path(value):
             return Address(path=value)
         host, sep, port = value.rpartition(":")
-        if host.startswith("[") and host.endswith("]"):
+        bracketed = host.startswith("[") and host.endswith("]")
+        if bracketed:
             host = host[1:-1]
-            bad_host = not host or "[" in host or "]" in host
-        else:
-            bad_host = ":" in host or "[" in host or "]" in host  # "::1:1883": which colon ends the host?
-        bad_host = bad_host or not host or "/" in host or any(c.isspace() for c in host)
+        bad_host = (
+            not host
+            or any(c in "[]/" or c.isspace() for c in host)
+            or (":" in host and not bracketed)  # "::1:1883": which colon ends the host?
+        )
         if sep and not bad_host and port.isascii() and port.isdigit() and min_port <= int(port) <= 65535:
             return Address(host, int(port))
     raise ValueError(f"{value!r}: must be {address_allowed(min_port)}")
