@@ -1,19 +1,20 @@
-"""One upstream link: a durable outbox, an aiomqtt connection to the cloud broker, the downlink.
+"""One upstream link: the aiomqtt glue around the sans-I/O :class:`~gateway.upstream.outbox.Outbox`.
+
+The outbox decides (order per remote topic, windows, paced drain, live lane, re-send, bounds, counters); this
+module connects to the cloud broker with backoff and jitter, subscribes for the downlink, feeds the outbox its
+events and performs what it returns, publishes the link's ``$SYS`` values, and reads the clock (:func:`_now`, the
+one place).
 
 Life of a forwarded message (DESIGN.md §5, docs/upstream.md):
 
-1. :meth:`UpstreamLink.forward` runs inside :meth:`Broker._publish` (``Broker.forwarders``), before the local
-   publisher's PUBACK/PUBCOMP is registered: a QoS 1/2 message (or QoS 0 with ``store_qos0``) is recorded in the
-   store's outbox then, so the outbox row is committed with the acknowledgement.
-2. The pump sends it when the link is up, within the inflight window (``max_inflight``, lowered to the cloud
-   broker's Receive Maximum); the backlog that built up while the link was down is paced (``drain_rate``).
-3. The row leaves the outbox only when the cloud acknowledges (PUBACK for QoS 1, PUBCOMP for QoS 2). A lost link
-   puts everything unacknowledged back in the backlog, in order, sent again after the reconnect with the same
-   ``msg_id`` User Property (MQTT 5) so consumers can drop the duplicates.
-
-Order per remote topic: entries are kept in arrival order (store sequence). ``backlog_first`` sends a topic's
-new messages only after that topic's backlog (other topics are not held up); ``live_first`` sends new messages
-at once and drains the backlog behind them (per-topic order then holds within each of the two streams only).
+1. :meth:`UpstreamLink.forward` runs inside ``Broker._publish`` (``Broker.forwarders``), before the local
+   publisher's PUBACK/PUBCOMP is registered: :meth:`Outbox.offer` records a QoS 1/2 message (or QoS 0 with
+   ``store_qos0``) in the store's outbox then, so the outbox row is committed with the acknowledgement.
+2. :meth:`UpstreamLink._pump` hands each :meth:`Outbox.next_send` to paho while the link is up, and reports the
+   Packet Identifier paho gave it (:meth:`Outbox.sent`).
+3. paho's ``on_publish`` (PUBACK for QoS 1, PUBCOMP for QoS 2) becomes :meth:`Outbox.acked`, which deletes the
+   row. A lost link is :meth:`Outbox.link_down`: everything unacknowledged goes back to the backlog, in order, and
+   is sent again after the reconnect with the same ``msg_id`` User Property (MQTT 5).
 """
 
 from __future__ import annotations
@@ -22,10 +23,8 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import math
 import random
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,97 +34,136 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from gateway.broker.store import OutboxRecord
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.topics import topic_matches
 from gateway.upstream.config import UpstreamConfig, fill
+from gateway.upstream.outbox import SENDER_PREFIX, Entry, Outbox, PeerLimits, Send
 
 if TYPE_CHECKING:
     from gateway.broker.broker import Broker
     from gateway.broker.message import Message
 
+__all__ = ["SENDER_PREFIX", "UpstreamLink"]
+
 log = logging.getLogger("gateway.upstream")
 
-#: Message.sender of everything the downlink publishes locally: never forwarded back up (loops).
-SENDER_PREFIX = "$upstream/"
-
 CONNECTING, CONNECTED, BACKING_OFF, STOPPED = "connecting", "connected", "backing-off", "stopped"
-_QUEUED, _INFLIGHT, _DONE = 0, 1, 2
-_BACKLOG, _LIVE = 1, 2
+
+#: A connection that lasted this long (seconds) resets the backoff to ``backoff_initial``.
+_STABLE_AFTER = 30.0
 
 
-class Entry:
-    """One message on its way up (an outbox row, or a QoS 0 message kept in memory only)."""
-
-    __slots__ = ("durable", "key", "message", "paced", "qos", "sent_at", "seq", "size", "state", "topic", "where")
-
-    def __init__(self, key: int, seq: int, message: Message, qos: int, topic: str, durable: bool) -> None:
-        self.key = key  # dict key: the store sequence (durable) or a negative local counter
-        self.seq = seq  # store sequence: the msg_id; 0 for QoS 0 not stored (no msg_id)
-        self.message = message
-        self.qos = qos
-        self.topic = topic
-        self.durable = durable
-        self.size = len(message.payload) + len(topic.encode("utf-8"))
-        self.state = _QUEUED
-        self.where = 0
-        self.paced = False
-        self.sent_at = 0.0
-
-
-class _Client(aiomqtt.Client):
-    """aiomqtt's client plus what the bridge needs and aiomqtt does not expose: the CONNACK properties (Receive
-    Maximum, Maximum QoS, ...) and a non-blocking publish that returns a future resolved with the reason code of
-    the PUBACK/PUBCOMP (aiomqtt's ``publish`` waits, and discards the reason code)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.connack_properties: Any = None
-        self.acks: dict[int, asyncio.Future[int]] = {}
-
-    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any = None) -> None:
-        self.connack_properties = properties
-        super()._on_connect(client, userdata, flags, reason_code, properties)
-
-    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any = None) -> None:
-        if not self._connected.done():  # closed before CONNACK: fail now, not after the connect timeout
-            self._connected.set_exception(aiomqtt.MqttError(f"connection closed before CONNACK ({reason_code})"))
-        super()._on_disconnect(client, userdata, flags, reason_code, properties)
-
-    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
-        fut = self.acks.pop(mid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(int(getattr(reason_code, "value", 0) or 0))
-        super()._on_publish(client, userdata, mid, reason_code, properties)
-
-    def send(self, topic: str, payload: bytes, qos: int, retain: bool, properties: Any) -> asyncio.Future[int] | None:
-        """Hand one PUBLISH to paho; for QoS 1/2 return the future of its acknowledgement."""
-        info = self._client.publish(topic, payload, qos, retain, properties)
-        if info.rc != paho.MQTT_ERR_SUCCESS:
-            raise aiomqtt.MqttCodeError(info.rc, "could not publish")
-        if qos == 0:
-            return None
-        fut: asyncio.Future[int] = self._loop.create_future()
-        self.acks[info.mid] = fut
-        return fut
-
-    def abandon(self) -> None:
-        """Cancel the futures of acknowledgements that will never come (the connection is gone)."""
-        for fut in self.acks.values():
-            fut.cancel()
-        self.acks.clear()
-
-
-class _TearDown(Exception):
-    """The link is torn down on purpose (half-open, or stopping)."""
+def _now() -> float:
+    """The link's one clock read: wall-clock seconds, the clock of the broker's ``now`` and of
+    ``Message.received_at``. Every outbox event gets its time from here."""
+    return time.time()
 
 
 def _iso(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+class _TearDown(Exception):
+    """The link is torn down on purpose (half-open, or stopping)."""
+
+
+class _Connection:
+    """One connection attempt: an aiomqtt client plus the three things the bridge needs that aiomqtt's API does not
+    give, taken from paho's public API:
+
+    - the CONNACK properties (Receive Maximum, Maximum QoS, Retain Available, Maximum Packet Size; aiomqtt drops
+      them), from paho's ``on_connect`` callback;
+    - a publish that does not wait (aiomqtt's ``publish`` awaits the acknowledgement and times out after
+      ``timeout``, so a window of 32 would need 32 tasks, and a half-open peer would raise instead of being left
+      to ``ack_timeout``): ``paho.Client.publish``, which returns the Packet Identifier;
+    - the reason code of each PUBACK/PUBCOMP (aiomqtt discards it; the ``rejected`` drop needs it), from paho's
+      ``on_publish`` callback;
+
+    and one behaviour: a peer that closes the connection before CONNACK fails the attempt at once (paho's
+    ``on_disconnect``) instead of after ``connect_timeout`` (aiomqtt ignores a disconnect before CONNACK; without
+    this a cloud that refuses connections costs ``connect_timeout`` per attempt, not the backoff delay).
+
+    The callbacks are chained in front of aiomqtt's own (which still run); nothing of aiomqtt or paho is
+    overridden. The one private name used is ``aiomqtt.Client._client``, the paho client aiomqtt wraps, for which
+    aiomqtt 2.x has no public accessor.
+    """
+
+    def __init__(self, client: aiomqtt.Client, on_ack: Callable[[_Connection, int, int], None]) -> None:
+        self.client = client
+        self.paho: paho.Client = client._client  # see the class docstring
+        self.connack_seen = False
+        self.connack_properties: Any = None
+        self.closed_early: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._on_ack = on_ack
+        self._aiomqtt_on_connect = self.paho.on_connect
+        self._aiomqtt_on_disconnect = self.paho.on_disconnect
+        self._aiomqtt_on_publish = self.paho.on_publish
+        self.paho.on_connect = self._on_connect
+        self.paho.on_disconnect = self._on_disconnect
+        self.paho.on_publish = self._on_publish
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any = None) -> None:
+        self.connack_seen = True
+        self.connack_properties = properties
+        if self._aiomqtt_on_connect is not None:
+            self._aiomqtt_on_connect(client, userdata, flags, reason_code, properties)
+
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any = None) -> None:
+        if not self.connack_seen and not self.closed_early.done():
+            self.closed_early.set_result(None)
+        if self._aiomqtt_on_disconnect is not None:
+            self._aiomqtt_on_disconnect(client, userdata, flags, reason_code, properties)
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        if self._aiomqtt_on_publish is not None:
+            self._aiomqtt_on_publish(client, userdata, mid, reason_code, properties)
+        self._on_ack(self, mid, int(getattr(reason_code, "value", 0) or 0))
+
+    async def open(self) -> None:
+        """Connect (aiomqtt's ``__aenter__``: TCP, TLS, CONNECT, CONNACK within ``connect_timeout``); raise
+        ``aiomqtt.MqttError`` as soon as the peer closes before CONNACK."""
+        enter = asyncio.ensure_future(self.client.__aenter__())
+        try:
+            await asyncio.wait({enter, self.closed_early}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            enter.cancel()
+            raise
+        if not enter.done():
+            enter.cancel()
+            with contextlib.suppress(BaseException):
+                await enter
+            raise aiomqtt.MqttError("connection closed before CONNACK")
+        enter.result()
+
+    async def close(self) -> None:
+        """Disconnect (aiomqtt's ``__aexit__``)."""
+        await self.client.__aexit__(None, None, None)
+
+    def publish(self, send: Send, properties: Any) -> int:
+        """Hand one PUBLISH to paho; its Packet Identifier (paho's ``mid``)."""
+        info = self.paho.publish(send.topic, send.payload, send.qos, send.retain, properties)
+        if info.rc != paho.MQTT_ERR_SUCCESS:
+            raise aiomqtt.MqttCodeError(info.rc, "could not publish")
+        return info.mid
+
+    def limits(self, protocol: int) -> PeerLimits:
+        """The cloud broker's CONNACK limits (MQTT 5.0 §3.2.2.3; none for MQTT 3.1.1)."""
+        props = self.connack_properties
+        if props is None or protocol != 5:
+            return PeerLimits()
+        receive_max = getattr(props, "ReceiveMaximum", None)
+        max_qos = getattr(props, "MaximumQoS", None)
+        retain = getattr(props, "RetainAvailable", None)
+        return PeerLimits(
+            int(receive_max) if receive_max else None,
+            2 if max_qos is None else int(max_qos),
+            True if retain is None else bool(retain),
+            int(getattr(props, "MaximumPacketSize", 0) or 0),
+        )
+
+
 class UpstreamLink:
-    """One ``[[upstream]]``: outbox, connection, pump, downlink, ``$SYS`` values.
+    """One ``[[upstream]]``: the outbox, the connection, the pump, the downlink, the ``$SYS`` values.
 
     Args:
         cfg: the link's configuration.
@@ -137,31 +175,12 @@ class UpstreamLink:
         self.cfg = cfg
         self.name = cfg.name
         self.broker = broker
-        self.store = broker.store
         self.flush = flush
         self.sender_id = SENDER_PREFIX + cfg.name
-        self.entries: dict[int, Entry] = {}
-        self.backlog: deque[Entry] = deque()
-        self.live: deque[Entry] = deque()
-        self.qos0: deque[Entry] = deque()
-        self.backlog_topics: Counter[str] = Counter()
-        self.inflight: dict[int, Entry] = {}
-        self.bytes = 0
+        self.outbox = Outbox(cfg, broker.store)
         self.state = STOPPED
-        self.window = cfg.max_inflight
-        self.max_qos = 2
-        self.retain_available = True
-        self.max_packet = 0
-        self.client: _Client | None = None
-        self.gen = 0
-        self.counters: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
-        self.last_ack_at: float | None = None
-        self._last_ack_mono = time.monotonic()
-        self._connected_mono = 0.0
-        self._local_key = 0
-        self._tokens = (0.0, 0.0)
-        self._tokens_at = time.monotonic()
+        self.received = 0  # messages brought down by subscribe rules
+        self._conn: _Connection | None = None
         self._pump_scheduled = False
         self._wake: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,30 +192,25 @@ class UpstreamLink:
         self._kill_reason = ""
         self._sys_sent: dict[str, str] = {}
         self._next_sys = 0.0
-        self._warn_pending: Counter[str] = Counter()
-        self._warn_next = 0.0
         self._attempt = 0
+
+    @property
+    def entries(self) -> dict[int, Entry]:
+        """The outbox's entries (gateway/server/notify.py reports their number)."""
+        return self.outbox.entries
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def load(self, now: float) -> None:
         """Take the outbox rows stored for this link (before any client can publish), apply TTL and bounds."""
-        for record in self.store.outbox_loaded(self.name):
-            entry = Entry(record.seq, record.seq, record.message, record.qos, record.topic, True)
-            self.entries[entry.key] = entry
-            self.bytes += entry.size
-            if entry.qos == 0:
-                self.qos0.append(entry)
-            self._to_backlog(entry)
-        if self.entries:
+        self.outbox.load(now)
+        if self.outbox.entries:
             log.info(
                 "upstream %s: %d messages (%d bytes) in the outbox from before the restart",
                 self.name,
-                len(self.entries),
-                self.bytes,
+                len(self.outbox.entries),
+                self.outbox.bytes,
             )
-        self._expire(now)
-        self._enforce_bounds()
 
     def start(self) -> None:
         """Start connecting (and the timers); call from the broker's event loop."""
@@ -224,239 +238,61 @@ class UpstreamLink:
                 log.exception("upstream %s: error while stopping", self.name)
         if self._wake is not None:
             self._wake.cancel()
-        self._set_state(STOPPED, time.time())
+        self._set_state(STOPPED, _now())
 
-    # ------------------------------------------------------------------------------------------ outbox
+    # ------------------------------------------------------------------------------------------ outbox events
 
     def forward(self, message: Message, now: float) -> bool:
-        """``Broker.forwarders`` hook: record ``message`` for the cloud if a forward rule matches; True when it was
-        taken (so an MQTT 5 publisher is not told "no matching subscribers")."""
-        sender = message.sender
-        if sender is not None and sender.startswith(SENDER_PREFIX):
-            return False  # came down from a cloud: never back up
-        topic = message.topic
-        for rule in self.cfg.forward:
-            if topic_matches(rule.local, topic):
-                break
-        else:
-            return False
-        qos = min(message.qos, rule.qos)
-        if message.expired(now):
-            return False
-        remote = rule.remote_topic(topic, self.cfg.gateway_id)
-        durable = qos > 0 or self.cfg.store_qos0
-        if not durable and self.state != CONNECTED:
-            self._count_drop("qos0_link_down", 1)
-            return False
-        size = len(message.payload) + len(remote.encode("utf-8"))
-        if not self._make_room(size, qos):
-            return False
-        if durable:
-            seq = self.store.outbox_seq()
-            self.store.outbox_saved(self.name, OutboxRecord(seq, message, qos, remote))
-            entry = Entry(seq, seq, message, qos, remote, True)
-        else:
-            self._local_key -= 1
-            entry = Entry(self._local_key, 0, message, qos, remote, False)
-        self.entries[entry.key] = entry
-        self.bytes += entry.size
-        if qos == 0:
-            self.qos0.append(entry)
-        if self.state == CONNECTED and (self.cfg.order == "live_first" or not self.backlog_topics[remote]):
-            entry.where = _LIVE
-            self.live.append(entry)
-        else:
-            self._to_backlog(entry, paced=self.state != CONNECTED)
-        self._schedule_pump()
-        return True
-
-    def _to_backlog(self, entry: Entry, paced: bool = True) -> None:
-        entry.where = _BACKLOG
-        entry.paced = paced
-        self.backlog.append(entry)
-        self.backlog_topics[entry.topic] += 1
-
-    def _remove(self, entry: Entry) -> None:
-        """``entry`` leaves the outbox (acknowledged, sent at QoS 0, or dropped)."""
-        if entry.state == _QUEUED and entry.where == _BACKLOG:
-            self._backlog_left(entry)
-        entry.state = _DONE
-        if self.entries.pop(entry.key, None) is not None:
-            self.bytes -= entry.size
-            if entry.durable:
-                self.store.outbox_deleted(self.name, entry.seq)
-
-    def _backlog_left(self, entry: Entry) -> None:
-        n = self.backlog_topics[entry.topic] - 1
-        if n > 0:
-            self.backlog_topics[entry.topic] = n
-        else:
-            del self.backlog_topics[entry.topic]
-
-    def _drop(self, entry: Entry, reason: str) -> None:
-        self._remove(entry)
-        self._count_drop(reason, 1)
-
-    def _count_drop(self, reason: str, n: int) -> None:
-        self.dropped[reason] += n
-        if reason != "qos0_link_down":  # QoS 0 while down is the configured behaviour, not a bound
-            self._warn_pending[reason] += n
-            self._warn(time.time())
-
-    def _make_room(self, size: int, qos: int) -> bool:
-        """Apply ``max_messages``/``max_bytes`` before a new entry of ``size`` bytes joins: drop QoS 0 first, then
-        the oldest (never one in flight). False when the new entry itself is the one to drop."""
-        cfg = self.cfg
-        if cfg.max_bytes and size > cfg.max_bytes:
-            self._count_drop("max_bytes", 1)
-            return False
-        while True:
-            if cfg.max_messages and len(self.entries) + 1 > cfg.max_messages:
-                reason = "max_messages"
-            elif cfg.max_bytes and self.bytes + size > cfg.max_bytes:
-                reason = "max_bytes"
-            else:
-                return True
-            victim = self._oldest_qos0()
-            if victim is None and qos == 0:
-                self._count_drop(reason, 1)  # the new QoS 0 message goes first
-                return False
-            if victim is None:
-                victim = self._oldest_queued()
-            if victim is None:
-                self._count_drop(reason, 1)
-                return False
-            self._drop(victim, reason)
-
-    def _enforce_bounds(self) -> None:
-        cfg = self.cfg
-        while (cfg.max_messages and len(self.entries) > cfg.max_messages) or (
-            cfg.max_bytes and self.bytes > cfg.max_bytes
-        ):
-            reason = "max_messages" if cfg.max_messages and len(self.entries) > cfg.max_messages else "max_bytes"
-            victim = self._oldest_qos0() or self._oldest_queued()
-            if victim is None:
-                return
-            self._drop(victim, reason)
-
-    def _oldest_qos0(self) -> Entry | None:
-        q = self.qos0  # every QoS 0 entry, oldest first (lazily cleaned)
-        while q:
-            if q[0].state == _QUEUED:
-                return q[0]
-            q.popleft()
-        return None
-
-    def _oldest_queued(self) -> Entry | None:
-        for entry in self.entries.values():
-            if entry.state == _QUEUED:
-                return entry
-        return None
-
-    def _ttl_expired(self, entry: Entry, now: float) -> str | None:
-        ttl = self.cfg.message_ttl
-        if ttl and now - entry.message.received_at >= ttl:
-            return "message_ttl"
-        if entry.message.expired(now):
-            return "expired"
-        return None
-
-    def _expire(self, now: float) -> None:
-        """Drop what waited longer than ``message_ttl`` (or past its own Message Expiry), oldest first."""
-        victims = []
-        for entry in self.entries.values():
-            if entry.state != _QUEUED:
-                continue
-            reason = self._ttl_expired(entry, now)
-            if reason is not None:
-                victims.append((entry, reason))
-            elif (
-                self.cfg.message_ttl
-                and now - entry.message.received_at < self.cfg.message_ttl
-                and entry.message.expires_at is None
-            ):
-                break  # arrival order: the rest is younger
-        for entry, reason in victims:
-            self._drop(entry, reason)
-
-    # ------------------------------------------------------------------------------------------ pump
+        """``Broker.forwarders`` hook: :meth:`Outbox.offer`; True when the outbox took ``message``."""
+        outbox = self.outbox
+        taken = outbox.offer(message, now)
+        if outbox.warn_due:
+            self._warn(now)
+        if taken and outbox.up and not self._pump_scheduled and self._loop is not None:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+        return taken
 
     def _schedule_pump(self) -> None:
-        if not self._pump_scheduled and self.state == CONNECTED and self._loop is not None:
+        if not self._pump_scheduled and self.outbox.up and self._loop is not None:
             self._pump_scheduled = True
             self._loop.call_soon(self._pump)
 
     def _pump(self) -> None:
-        """Send what may go now: within the inflight window, backlog paced, in the configured order."""
+        """Send what the outbox says may go now; set the pacing timer when it says to wait."""
         self._pump_scheduled = False
-        if self.state != CONNECTED or self.client is None:
+        conn = self._conn
+        if conn is None:
             return
-        now = time.time()
-        first, second = (self.live, self.backlog) if self.cfg.order == "live_first" else (self.backlog, self.live)
-        try:
-            while True:
-                entry = self._take(first, now) or self._take(second, now)
-                if entry is None:
-                    return
-                self._send(entry, now)
-        except Exception as exc:  # paho refused (the socket is gone): the connection task notices and rebuilds
-            log.warning("upstream %s: send failed (%s); reconnecting", self.name, exc)
-            self._tear_down(f"send failed: {exc}")
-
-    def _take(self, queue: deque[Entry], now: float) -> Entry | None:
-        while queue:
-            entry = queue[0]
-            if entry.state != _QUEUED:
-                queue.popleft()
-                continue
-            reason = self._ttl_expired(entry, now)
-            if reason is not None:
-                queue.popleft()
-                self._drop(entry, reason)
-                continue
-            if entry.qos and len(self.inflight) >= self.window:
-                return None
-            if entry.paced and not self._take_tokens(entry.size):
-                return None
-            queue.popleft()
-            if entry.where == _BACKLOG:
-                self._backlog_left(entry)
-            entry.where = 0
-            return entry
-        return None
-
-    def _take_tokens(self, size: int) -> bool:
-        rate, brate = self.cfg.drain_rate, self.cfg.drain_bytes
-        if not rate and not brate:
-            return True
-        mono = time.monotonic()
-        elapsed = mono - self._tokens_at
-        self._tokens_at = mono
-        msgs, nbytes = self._tokens
-        cap_b = max(brate, size)
-        msgs = min(max(rate, 1.0), msgs + elapsed * rate) if rate else 1.0
-        nbytes = min(cap_b, nbytes + elapsed * brate) if brate else float(size)
-        if msgs >= 1.0 and nbytes >= size:
-            self._tokens = (msgs - 1.0 if rate else 0.0, nbytes - size if brate else 0.0)
-            return True
-        self._tokens = (msgs, nbytes)
-        wait = max((1.0 - msgs) / rate if rate else 0.0, (size - nbytes) / brate if brate else 0.0)
-        if self._loop is not None and self._wake is None:
-            self._wake = self._loop.call_later(max(wait, 0.001), self._woken)
-        return False
+        outbox = self.outbox
+        now = _now()
+        v5 = self.cfg.protocol == 5
+        while (send := outbox.next_send(now)) is not None:
+            try:
+                packet_id = conn.publish(send, self._properties(send) if v5 else None)
+            except Exception as exc:  # paho refused (the socket is gone): the connection task notices and rebuilds
+                outbox.send_failed(send, now)
+                log.warning("upstream %s: send failed (%s); reconnecting", self.name, exc)
+                self._tear_down(f"send failed: {exc}")
+                break
+            outbox.sent(send, packet_id, now)
+        if outbox.warn_due:
+            self._warn(now)
+        if outbox.wake_at is not None and self._wake is None and self._loop is not None:
+            self._wake = self._loop.call_later(max(outbox.wake_at - now, 0.001), self._woken)
 
     def _woken(self) -> None:
         self._wake = None
         self._schedule_pump()
 
-    def _properties(self, entry: Entry, now: float) -> Any:
+    def _properties(self, send: Send) -> Any:
         """The MQTT 5 PUBLISH properties sent upstream: the publisher's (Payload Format Indicator, Content Type,
-        Response Topic, Correlation Data, User Properties, remaining Message Expiry) plus ``msg_id``."""
+        Response Topic, Correlation Data, User Properties), the remaining Message Expiry Interval, and ``msg_id``."""
         props = PahoProperties(PacketTypes.PUBLISH)
-        src = entry.message.properties
+        src = send.entry.message.properties
         users = list(src.get(P.USER_PROPERTY, ())) if src else []
-        if entry.seq:
-            users.append(("msg_id", f"{self.cfg.gateway_id}:{entry.seq}"))
+        if send.msg_id is not None:
+            users.append(("msg_id", send.msg_id))
         if users:
             props.UserProperty = users
         if src:
@@ -468,64 +304,29 @@ class UpstreamLink:
                 props.ResponseTopic = src[P.RESPONSE_TOPIC]
             if P.CORRELATION_DATA in src:
                 props.CorrelationData = src[P.CORRELATION_DATA]
-        if entry.message.expires_at is not None:
-            props.MessageExpiryInterval = max(1, math.ceil(entry.message.expires_at - now))
+        if send.expiry is not None:
+            props.MessageExpiryInterval = send.expiry
         return props
 
-    def _send(self, entry: Entry, now: float) -> None:
-        client = self.client
-        assert client is not None
-        qos = min(entry.qos, self.max_qos)
-        props = self._properties(entry, now) if self.cfg.protocol == 5 else None
-        if self.max_packet and entry.size + 64 > self.max_packet:
-            self._drop(entry, "packet_too_large")
-            return
-        retain = entry.message.retain and self.retain_available
-        entry.state = _INFLIGHT if qos else _QUEUED
-        try:
-            fut = client.send(entry.topic, entry.message.payload, qos, retain, props)
-        except Exception:
-            entry.state = _QUEUED
-            raise
-        self.counters["publish_sent"] += 1
-        if fut is None:
-            self.counters["forwarded_qos0" if entry.qos == 0 else "forwarded"] += 1
-            self._remove(entry)
-            return
-        entry.sent_at = time.monotonic()
-        self.inflight[entry.key] = entry
-        gen = self.gen
-        fut.add_done_callback(lambda f, e=entry, g=gen: self._acked(e, g, f))
-
-    def _acked(self, entry: Entry, gen: int, fut: asyncio.Future[int]) -> None:
-        if fut.cancelled() or gen != self.gen:
-            return
-        self.inflight.pop(entry.key, None)
-        if entry.state != _INFLIGHT:
-            return
-        now = time.time()
-        self.last_ack_at = now
-        self._last_ack_mono = time.monotonic()
-        self._attempt = 0  # the link works: the next reconnect starts from backoff_initial
-        code = fut.result()
-        if code >= 0x80:
-            log.warning(
-                "upstream %s: %s refused by the cloud broker (reason 0x%02X); dropped", self.name, entry.topic, code
-            )
-            self._drop(entry, "rejected")
-        else:
-            self.counters["forwarded"] += 1
-            self._remove(entry)
-        self._schedule_pump()
+    def _on_ack(self, conn: _Connection, packet_id: int, reason_code: int) -> None:
+        """paho's ``on_publish`` for the current connection: :meth:`Outbox.acked`."""
+        if conn is not self._conn:
+            return  # a late callback of a connection already given up
+        now = _now()
+        if self.outbox.acked(packet_id, reason_code, now):
+            self._attempt = 0  # the link works: the next reconnect starts from backoff_initial
+            if self.outbox.warn_due:
+                self._warn(now)
+            self._schedule_pump()
 
     # ------------------------------------------------------------------------------------------ connection
 
-    def _make_client(self) -> _Client:
+    def _make_client(self) -> aiomqtt.Client:
         cfg = self.cfg
         tls = None
         if cfg.tls:
             tls = aiomqtt.TLSParameters(ca_certs=cfg.ca_file, certfile=cfg.cert_file, keyfile=cfg.key_file)
-        return _Client(
+        return aiomqtt.Client(
             cfg.host,
             cfg.port,
             username=cfg.username,
@@ -540,17 +341,22 @@ class UpstreamLink:
         )
 
     async def _run(self) -> None:
+        """Connect, serve, and after a failure back off: ``min(backoff_max, backoff_initial * 2^attempt)`` times a
+        random factor in [0.5, 1] (docs/upstream.md "Reconnect and liveness")."""
         assert self._stop_event is not None
         while not self._stopping:
-            self._set_state(CONNECTING, time.time())
-            client = self._make_client()
+            self._set_state(CONNECTING, _now())
+            conn = _Connection(self._make_client(), self._on_ack)
             up_since = 0.0
             try:
-                async with client:
-                    up_since = time.monotonic()
-                    await self._serve(client)
+                await conn.open()
+                try:
+                    up_since = _now()
+                    await self._serve(conn)
+                finally:
+                    await conn.close()
             except asyncio.CancelledError:
-                self._disconnected(client)
+                self._disconnected(conn)
                 raise
             except (aiomqtt.MqttError, OSError, _TearDown) as exc:
                 if not self._stopping:
@@ -565,45 +371,30 @@ class UpstreamLink:
             except Exception:
                 log.exception("upstream %s: connection failed", self.name)
             finally:
-                self._disconnected(client)
+                self._disconnected(conn)
             if self._stopping:
                 return
-            if up_since and time.monotonic() - up_since >= 30.0:
+            if up_since and _now() - up_since >= _STABLE_AFTER:
                 self._attempt = 0
             delay = min(self.cfg.backoff_max, self.cfg.backoff_initial * 2 ** min(self._attempt, 30))
             delay *= random.uniform(0.5, 1.0)  # jitter: gateways that lost the same cloud do not come back at once
             self._attempt += 1
-            self._set_state(BACKING_OFF, time.time())
+            self._set_state(BACKING_OFF, _now())
             log.info("upstream %s: reconnecting in %.2f s (attempt %d)", self.name, delay, self._attempt)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop_event.wait(), delay)
 
-    async def _serve(self, client: _Client) -> None:
-        props = client.connack_properties
-        self.window = self.cfg.max_inflight
-        self.max_qos, self.retain_available, self.max_packet = 2, True, 0
-        if props is not None and self.cfg.protocol == 5:
-            receive_max = getattr(props, "ReceiveMaximum", None)
-            if receive_max:
-                self.window = min(self.window, int(receive_max))
-            max_qos = getattr(props, "MaximumQoS", None)
-            if max_qos is not None:
-                self.max_qos = int(max_qos)
-            retain = getattr(props, "RetainAvailable", None)
-            if retain is not None:
-                self.retain_available = bool(retain)
-            self.max_packet = int(getattr(props, "MaximumPacketSize", 0) or 0)
-        self.gen += 1
-        self.client = client
+    async def _serve(self, conn: _Connection) -> None:
+        """The connection is up: tell the outbox, pump, run the downlink until the connection ends or is torn
+        down."""
+        self._conn = conn
         self._kill = asyncio.Event()
         self._kill_reason = ""
         if self._stopping:
             raise _TearDown("stopping")
-        self._connected_mono = self._last_ack_mono = time.monotonic()
-        self._tokens = (max(self.cfg.drain_rate, 1.0), float(self.cfg.drain_bytes))
-        self._tokens_at = time.monotonic()
-        self.counters["connects"] += 1
-        self._set_state(CONNECTED, time.time())
+        now = _now()
+        self.outbox.link_up(conn.limits(self.cfg.protocol), now)
+        self._set_state(CONNECTED, now)
         log.info(
             "upstream %s: connected to %s:%d as %r (MQTT %s, inflight window %d, backlog %d)",
             self.name,
@@ -611,11 +402,11 @@ class UpstreamLink:
             self.cfg.port,
             self.cfg.client_id,
             "5" if self.cfg.protocol == 5 else "3.1.1",
-            self.window,
-            len(self.entries),
+            self.outbox.window,
+            len(self.outbox.entries),
         )
         self._schedule_pump()
-        downlink = asyncio.ensure_future(self._downlink(client))
+        downlink = asyncio.ensure_future(self._downlink(conn.client))
         killed = asyncio.ensure_future(self._kill.wait())
         try:
             await asyncio.wait({downlink, killed}, return_when=asyncio.FIRST_COMPLETED)
@@ -630,7 +421,7 @@ class UpstreamLink:
             await downlink
         raise _TearDown(self._kill_reason or "closed")
 
-    async def _downlink(self, client: _Client) -> None:
+    async def _downlink(self, client: aiomqtt.Client) -> None:
         for rule in self.cfg.subscribe:
             remote = fill(rule.remote, self.cfg.gateway_id)
             if self.cfg.protocol == 5:
@@ -648,7 +439,7 @@ class UpstreamLink:
                 break
         else:
             return
-        now = time.time()
+        now = _now()
         local = rule.local_topic(topic, self.cfg.gateway_id)
         props: dict[int, Any] = {}
         expires_at = None
@@ -671,7 +462,7 @@ class UpstreamLink:
                 props[P.MESSAGE_EXPIRY_INTERVAL] = int(expiry)
                 expires_at = now + int(expiry)
         payload = msg.payload if isinstance(msg.payload, bytes) else str(msg.payload or "").encode()
-        self.counters["received"] += 1
+        self.received += 1
         self.broker.publish_local(
             local,
             bytes(payload),
@@ -690,29 +481,12 @@ class UpstreamLink:
             self._kill_reason = reason
             self._kill.set()
 
-    def _disconnected(self, client: _Client) -> None:
-        """The connection is gone: everything unacknowledged goes back to the backlog, in order."""
-        if self.client is not client:
+    def _disconnected(self, conn: _Connection) -> None:
+        """The connection is gone: :meth:`Outbox.link_down` (its late callbacks are ignored from here on)."""
+        if self._conn is not conn:
             return
-        self.client = None
-        self.gen += 1
-        client.abandon()
-        self.inflight.clear()
-        self.backlog.clear()
-        self.live.clear()
-        self.backlog_topics.clear()
-        lost_qos0 = 0
-        for entry in list(self.entries.values()):
-            entry.state = _QUEUED
-            entry.where = 0
-            if entry.durable:
-                self._to_backlog(entry)
-            else:
-                self._remove(entry)
-                lost_qos0 += 1
-        self.qos0 = deque(e for e in self.entries.values() if e.qos == 0)
-        if lost_qos0:
-            self._count_drop("qos0_link_down", lost_qos0)
+        self._conn = None
+        self.outbox.link_down(_now())
 
     # ------------------------------------------------------------------------------------------ timers, $SYS
 
@@ -721,27 +495,22 @@ class UpstreamLink:
         while not self._stopping:
             await asyncio.sleep(interval)
             try:
-                self.tick(time.time())
+                self.tick(_now())
             except Exception:
                 log.exception("upstream %s: tick failed", self.name)
 
     def tick(self, now: float) -> None:
-        """Drop expired entries, detect a half-open link, publish warnings and ``$SYS`` values."""
-        self._expire(now)
-        if self.state == CONNECTED and self.inflight:
-            mono = time.monotonic()
-            oldest = min(e.sent_at for e in self.inflight.values())
-            since = max(oldest, self._last_ack_mono)
-            if mono - since >= self.cfg.ack_timeout:
-                self.counters["ack_timeouts"] += 1
-                log.warning(
-                    "upstream %s: connected but no acknowledgement for %.1f s with %d in flight; tearing "
-                    "the link down (half-open?)",
-                    self.name,
-                    mono - since,
-                    len(self.inflight),
-                )
-                self._tear_down("ack_timeout")
+        """:meth:`Outbox.tick` (expiry, half-open detection), then warnings and ``$SYS`` values."""
+        teardown = self.outbox.tick(now)
+        if teardown is not None:
+            log.warning(
+                "upstream %s: connected but no acknowledgement for %.1f s with %d in flight; tearing "
+                "the link down (half-open?)",
+                self.name,
+                teardown.silent_for,
+                teardown.inflight,
+            )
+            self._tear_down(teardown.reason)
         self._warn(now)
         interval = self.broker.settings.sys_interval
         if interval and now >= self._next_sys:
@@ -750,18 +519,19 @@ class UpstreamLink:
         self._schedule_pump()
 
     def _warn(self, now: float) -> None:
-        """Publish what the bounds dropped on ``$SYS/broker/connection/<name>/warning`` (at most once a second)."""
-        if not self._warn_pending or now < self._warn_next or self._loop is None:
+        """Publish what the bounds dropped on ``$SYS/broker/connection/<name>/warning`` (at most once a second;
+        not before :meth:`start`)."""
+        if self._loop is None:
             return
-        self._warn_next = now + 1.0
-        text = ", ".join(f"{n} {reason}" for reason, n in sorted(self._warn_pending.items()))
-        self._warn_pending.clear()
+        text = self.outbox.warning(now)
+        if text is None:
+            return
         log.warning(
             "upstream %s: outbox dropped %s (backlog %d messages, %d bytes)",
             self.name,
             text,
-            len(self.entries),
-            self.bytes,
+            len(self.outbox.entries),
+            self.outbox.bytes,
         )
         self.broker.publish_local(
             f"$SYS/broker/connection/{self.name}/warning", f"dropped {text}".encode(), 0, False, {}, now
@@ -770,24 +540,26 @@ class UpstreamLink:
 
     def sys_values(self, now: float) -> dict[str, str]:
         """The link's ``$SYS/broker/connection/<name>/...`` values."""
-        head = next(iter(self.entries.values()), None)  # FIFO: the head is the oldest
+        outbox = self.outbox
+        counters = outbox.counters
+        head = next(iter(outbox.entries.values()), None)  # arrival order: the head is the oldest
         oldest = None if head is None else head.message.received_at
         values = {
             "state": self.state,
-            "backlog/messages": str(len(self.entries)),
-            "backlog/bytes": str(self.bytes),
+            "backlog/messages": str(len(outbox.entries)),
+            "backlog/bytes": str(outbox.bytes),
             "backlog/oldest_age": "none" if oldest is None else f"{max(0.0, now - oldest):.1f}",
-            "inflight": str(len(self.inflight)),
-            "last_ack": "never" if self.last_ack_at is None else _iso(self.last_ack_at),
-            "forwarded/messages": str(self.counters["forwarded"]),
-            "forwarded/qos0": str(self.counters["forwarded_qos0"]),
-            "publish/sent": str(self.counters["publish_sent"]),
-            "received/messages": str(self.counters["received"]),
-            "connects": str(self.counters["connects"]),
-            "ack_timeouts": str(self.counters["ack_timeouts"]),
-            "dropped": str(sum(self.dropped.values())),
+            "inflight": str(len(outbox.inflight)),
+            "last_ack": "never" if outbox.last_ack_at is None else _iso(outbox.last_ack_at),
+            "forwarded/messages": str(counters["forwarded"]),
+            "forwarded/qos0": str(counters["forwarded_qos0"]),
+            "publish/sent": str(counters["publish_sent"]),
+            "received/messages": str(self.received),
+            "connects": str(counters["connects"]),
+            "ack_timeouts": str(counters["ack_timeouts"]),
+            "dropped": str(sum(outbox.dropped.values())),
         }
-        for reason, n in sorted(self.dropped.items()):
+        for reason, n in sorted(outbox.dropped.items()):
             values[f"dropped/{reason}"] = str(n)
         return values
 
