@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import json
 import multiprocessing as mp
 import os
@@ -41,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -106,6 +108,7 @@ class BrokerLog:
         "Traceback": re.compile(r"^Traceback "),
         "Message Queue drops of normal subscribers": re.compile(r"Message Queue of 'soak-sub-\d+' full"),
     }
+    RESTORED = re.compile(r"restored (\d+) persistent sessions and (\d+) retained")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -115,6 +118,7 @@ class BrokerLog:
         self.specials: Counter[str] = Counter()
         self.shapes: Counter[str] = Counter()
         self.examples: dict[str, str] = {}
+        self.restored: list[tuple[int, int]] = []  # (sessions, retained messages) at each start
 
     @staticmethod
     def shape(line: str) -> str:
@@ -131,6 +135,9 @@ class BrokerLog:
             m = LOG_LEVEL.match(line)
             level = m.group(1) if m else "other"
             self.levels[level] += 1
+            r = self.RESTORED.search(line) if level == "INFO" else None
+            if r:
+                self.restored.append((int(r.group(1)), int(r.group(2))))
             for name, pattern in self.SPECIALS.items():
                 if pattern.search(line):
                     self.specials[name] += 1
@@ -196,8 +203,9 @@ class Supervisor:
     ``port`` (and the shared ``port_value`` the hostile process reads) is 0 while the broker is down."""
 
     def __init__(self, workdir: Path, config: Path, blog: BrokerLog, port_value: Any, rss_guard_kib: int,
-                 t0: float) -> None:
+                 t0: float, broker_root: Path = ROOT) -> None:
         self.workdir = workdir
+        self.broker_root = broker_root
         self.config = config
         self.blog = blog
         self.port_value = port_value
@@ -224,7 +232,7 @@ class Supervisor:
         """Start the broker and wait for its port; three tries, then ``fatal``."""
         for attempt in range(3):
             cmd = [sys.executable, "-m", "gateway", "serve", "--config", str(self.config)]
-            env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+            env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(self.broker_root))
             env.pop("JOURNAL_STREAM", None)  # keep the timestamped log format
             self.blog.mark(f"start {self.starts} (attempt {attempt + 1}) at {self.now():.1f} s")
             proc = subprocess.Popen(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -1024,8 +1032,9 @@ def sc_garbage(h: Hostile, sc: str, rng: random.Random, deadline: float, lane: i
 
 
 def sc_abandon_sessions(h: Hostile, sc: str, rng: random.Random, deadline: float, lane: int) -> None:
-    """100 new persistent sessions (never reused Client Identifiers) that subscribe and go away, a third of them on
-    topics that then get 200 small QoS 1 messages: sessions accumulate until they expire."""
+    """100 new persistent sessions (never reused Client Identifiers, about 10 per second) that subscribe and go away,
+    a third of them on 10 topics that then get 20 small QoS 1 messages each: sessions accumulate until they expire
+    (Session Expiry 60 s, 10 min or 2 h; 3.1.1 sessions get the listener's 2 h)."""
     for _ in range(100):
         if h.over(deadline):
             break
@@ -1041,6 +1050,7 @@ def sc_abandon_sessions(h: Hostile, sc: str, rng: random.Random, deadline: float
         topic = f"soak/abandon/{k % 10}" if k % 3 == 0 else f"soak/abandon/quiet/{k}"
         h.request(sc, "SUBSCRIBE", raw, Subscribe(1, [Subscription(topic, 1)]).encode(version), Suback)
         h.bye(raw, graceful=rng.random() < 0.5)
+        h.stop.wait(rng.uniform(0.05, 0.15))  # about 10 s for the 100: a steady trickle, not a burst
     pub = h.connect(sc, "publisher v4", f"soak-h-abpub-{lane}", 4)
     if pub is not None:
         for k in range(10):
@@ -1092,29 +1102,31 @@ def sc_many_subscriptions(h: Hostile, sc: str, rng: random.Random, deadline: flo
     h.bye(raw)
 
 
-SCENARIOS: dict[str, Callable[[Hostile, str, random.Random, float, int], None]] = {
-    "long client ids": sc_long_client_ids,
-    "long topic filters": sc_long_topic_filters,
-    "long retained topics": sc_long_retained,
-    "stuck QoS 0 subscribers + big QoS 0 flood": sc_stuck_qos0,
-    "stuck QoS 1 subscribers + big QoS 1 flood": sc_stuck_qos1,
-    "small floods + oversized PUBLISH": sc_small_floods,
-    "garbage": sc_garbage,
-    "abandoned persistent sessions": sc_abandon_sessions,
-    "connection churn": sc_churn,
-    "2000 subscriptions": sc_many_subscriptions,
+#: short name -> (title in the summary, function)
+SCENARIOS: dict[str, tuple[str, Callable[[Hostile, str, random.Random, float, int], None]]] = {
+    "long_ids": ("long client ids", sc_long_client_ids),
+    "long_filters": ("long topic filters", sc_long_topic_filters),
+    "long_retained": ("long retained topics", sc_long_retained),
+    "stuck_qos0": ("stuck QoS 0 subscribers + big QoS 0 flood", sc_stuck_qos0),
+    "stuck_qos1": ("stuck QoS 1 subscribers + big QoS 1 flood", sc_stuck_qos1),
+    "small_floods": ("small floods + oversized PUBLISH", sc_small_floods),
+    "garbage": ("garbage", sc_garbage),
+    "abandon": ("abandoned persistent sessions", sc_abandon_sessions),
+    "churn": ("connection churn", sc_churn),
+    "many_subs": ("2000 subscriptions", sc_many_subscriptions),
 }
 
 
-def hostile_main(port_value: Any, stop: Any, seed: int, lanes: int, scenario_seconds: float, result: Any) -> None:
-    """The hostile process: ``lanes`` threads, each cycling through :data:`SCENARIOS` in its own shuffled order
-    until ``stop`` is set; then the counters go back through ``result``."""
+def hostile_main(port_value: Any, stop: Any, seed: int, lanes: int, scenario_seconds: float, result: Any,
+                 names: list[str]) -> None:
+    """The hostile process: ``lanes`` threads, each cycling through the scenarios ``names`` in its own shuffled
+    order until ``stop`` is set; then the counters go back through ``result``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     h = Hostile(port_value, stop, scenario_seconds)
 
     def lane_main(lane: int) -> None:
         rng = random.Random(seed * 1000 + lane)
-        order = list(SCENARIOS)
+        order = list(names)
         while not stop.is_set():
             rng.shuffle(order)
             for name in order:
@@ -1122,12 +1134,13 @@ def hostile_main(port_value: Any, stop: Any, seed: int, lanes: int, scenario_sec
                     break
                 if not h.port():
                     continue
+                title, scenario = SCENARIOS[name]
                 with h.lock:
-                    h.runs[name] += 1
+                    h.runs[title] += 1
                 try:
-                    SCENARIOS[name](h, name, rng, time.monotonic() + scenario_seconds, lane)
+                    scenario(h, title, rng, time.monotonic() + scenario_seconds, lane)
                 except Exception as exc:  # count it; the lane goes on
-                    h.count(name, f"harness error: {exc!r}"[:200])
+                    h.count(title, f"harness error: {exc!r}"[:200])
                 stop.wait(rng.uniform(0.2, 1.0))
 
     threads = [threading.Thread(target=lane_main, args=(k,), daemon=True) for k in range(lanes)]
@@ -1152,7 +1165,7 @@ def store_bytes(path: Path) -> int:
     return total
 
 
-def write_config(workdir: Path, overrides: list[str]) -> Path:
+def write_config(workdir: Path, overrides: list[str], broker_root: Path) -> Path:
     """The broker's config: shipped defaults, but for the bind (127.0.0.1, port 0), the temporary store and any
     ``--listener-set KEY=VALUE``; checked with ``edge-gateway check-config``."""
     lines = [
@@ -1165,18 +1178,35 @@ def write_config(workdir: Path, overrides: list[str]) -> Path:
     path = workdir / "gateway.toml"
     path.write_text("\n".join(lines) + "\n")
     check = subprocess.run([sys.executable, "-m", "gateway", "check-config", str(path)], capture_output=True,
-                           text=True, cwd=workdir, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+                           text=True, cwd=workdir, env=dict(os.environ, PYTHONPATH=str(broker_root)), timeout=60)
     if check.returncode != 0:
         raise SystemExit(f"soak: the generated config is invalid:\n{path.read_text()}\n{check.stdout}{check.stderr}")
     return path
 
 
 def git_rev() -> str:
+    """The working tree's ``git describe --always --dirty``."""
     try:
         return subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "?"
     except (OSError, subprocess.SubprocessError):
         return "?"
+
+
+def export_commit(rev: str, dest: Path) -> str:
+    """``git archive REV`` unpacked into ``dest`` (the broker then runs from there, untouched by edits made to the
+    working tree during the run); returns the commit's short hash."""
+    short = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", f"{rev}^{{commit}}"], capture_output=True,
+                           text=True, timeout=30, check=True).stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", short], capture_output=True,
+                             timeout=120, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4+
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)  # our own repository's archive
+    return short
 
 
 def fmt_mib(kib: int | None) -> str:
@@ -1239,7 +1269,8 @@ def summarize(args: argparse.Namespace, sup: Supervisor, pairs: list[NormalPair]
         "run": {
             "minutes": args.minutes, "kill_every": args.kill_every, "seed": args.seed, "pairs": args.pairs,
             "rate": args.rate, "lanes": args.lanes, "scenario_seconds": args.scenario_seconds,
-            "git": git_rev(), "python": sys.version.split()[0], "started": timing["started"],
+            "scenarios": args.scenarios,
+            "git": getattr(args, "broker_rev", "?"), "python": sys.version.split()[0], "started": timing["started"],
             "load_seconds": round(timing["load"], 1), "drain_seconds": round(timing["drain"], 1),
             "listener_set": args.listener_set,
         },
@@ -1253,6 +1284,7 @@ def summarize(args: argparse.Namespace, sup: Supervisor, pairs: list[NormalPair]
             "rss_end_kib": rss_all[-1] if rss_all else None,
             "rss_before_kills_kib": [r.rss_before_kib for r in kills],
             "rss_samples": len(rss_all), "exit_status": sup.final_exit, "store_bytes_end": store_size,
+            "restored_sessions_retained": blog.restored,
         },
         "log": {"levels": dict(blog.levels), "specials": {k: blog.specials[k] for k in BrokerLog.SPECIALS},
                 "top": [(n, s, blog.examples[s]) for s, n in blog.shapes.most_common(12)]},
@@ -1275,9 +1307,10 @@ def render(s: dict[str, Any], max_rss_mib: int) -> str:
         "",
         f"{run['minutes']:g} min of load, kill -9 every {run['kill_every']:g} s, seed {run['seed']}, "
         f"{run['pairs']} normal pairs at {run['rate']:g} msg/s each, {run['lanes']} hostile lanes; "
-        f"edge-gateway git {run['git']}, Python {run['python']}, started {run['started']}; "
+        f"edge-gateway {run['git']}, Python {run['python']}, started {run['started']}; "
         f"load {run['load_seconds']:.0f} s, drain {run['drain_seconds']:.0f} s"
-        + (f"; listener settings {', '.join(run['listener_set'])}" if run["listener_set"] else "") + ".",
+        + (f"; listener settings {', '.join(run['listener_set'])}" if run["listener_set"] else "")
+        + (f"; scenarios {', '.join(run['scenarios'])}" if len(run["scenarios"]) < len(SCENARIOS) else "") + ".",
         "",
         "### Normal clients (QoS 1, persistent subscribers)",
         "",
@@ -1312,6 +1345,8 @@ def render(s: dict[str, Any], max_rss_mib: int) -> str:
         f"| RSS max over the last 10 minutes | {fmt_mib(b['rss_max_last10_kib'])} |",
         f"| RSS at the end | {fmt_mib(b['rss_end_kib'])} |",
         f"| RSS just before each kill | {', '.join(fmt_mib(k) for k in b['rss_before_kills_kib']) or 'n/a'} |",
+        f"| sessions / retained messages restored at each restart | "
+        f"{', '.join(f'{a} / {r}' for a, r in b['restored_sessions_retained']) or 'n/a'} |",
         f"| store on disk at the end | {b['store_bytes_end'] / MIB:.1f} MiB |",
         f"| exit status on SIGTERM at the end | {b['exit_status']} |",
         "",
@@ -1393,16 +1428,26 @@ Examples:
     ap.add_argument("--window", type=int, default=10,
                     help="most unacknowledged messages per normal publisher (default 10)")
     ap.add_argument("--lanes", type=int, default=3, help="hostile scenarios running at once (default 3)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="NAME,...",
+                    help="the hostile scenarios to cycle through (default all: " + ", ".join(SCENARIOS) + ")")
     ap.add_argument("--scenario-seconds", type=float, default=20.0,
                     help="longest a hostile scenario runs before the lane moves on (default 20)")
     ap.add_argument("--drain", type=float, default=120.0,
                     help="longest wait after the load for acknowledged messages to arrive, s (default 120)")
     ap.add_argument("--listener-set", action="append", default=[], metavar="'KEY = VALUE'",
                     help="a TOML line added to [listeners.external] (repeatable); default: shipped defaults")
+    ap.add_argument("--commit", default=None, metavar="REV",
+                    help="run the broker from `git archive REV` (e.g. HEAD) unpacked in the temporary directory, so "
+                         "that edits to the working tree during the run do not reach the restarted broker "
+                         "(default: the working tree as it is at each start)")
     ap.add_argument("--keep-log", type=Path, default=None, help="copy the broker's whole log to this file")
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.pairs < 1 or args.rate <= 0 or args.window < 1 or args.lanes < 0:
         ap.error("--minutes, --pairs, --rate, --window must be positive and --lanes >= 0")
+    args.scenarios = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in args.scenarios if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1, 1_000_000)
     if args.rss_guard_mib is None:
@@ -1427,8 +1472,13 @@ def main(argv: list[str] | None = None) -> int:
     timing = {"started": started, "load": 0.0, "drain": 0.0, "end": 0.0}
     store_size = 0
     try:
-        config = write_config(workdir, args.listener_set)
-        sup = Supervisor(workdir, config, blog, port_value, args.rss_guard_mib * 1024, t0)
+        broker_root = ROOT
+        args.broker_rev = git_rev()
+        if args.commit:
+            args.broker_rev = export_commit(args.commit, workdir / "src")
+            broker_root = workdir / "src"
+        config = write_config(workdir, args.listener_set, broker_root)
+        sup = Supervisor(workdir, config, blog, port_value, args.rss_guard_mib * 1024, t0, broker_root)
         log(f"seed {args.seed}; work directory {workdir}; {args.minutes:g} min of load, kill -9 every "
             f"{args.kill_every:g} s")
         sup.start()
@@ -1446,7 +1496,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.lanes:
             hostile_proc = ctx.Process(target=hostile_main, name="soak-hostile", daemon=True,
                                        args=(port_value, hostile_stop, args.seed, args.lanes, args.scenario_seconds,
-                                             hostile_result))
+                                             hostile_result, args.scenarios))
             hostile_proc.start()
         sup.run(load_end, args.kill_every)
         next_report = load_start + 30
