@@ -1,0 +1,619 @@
+"""The broker core in process: no sockets, no sleeps, time given as ``now`` (a fake clock).
+
+Each test drives :class:`~gateway.broker.broker.Broker` the way the I/O layer does (``open``, ``receive``,
+``tick``, ``connection_lost``) and decodes what it wrote to ``Connection.out`` with the client side's
+:class:`~gateway.mqtt.framing.PacketReader`. Tests are named after the seed (``/work/shared/seeds``, see
+DESIGN.md §3) or the normative statement they check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.broker.broker import Broker
+from gateway.broker.limits import BrokerSettings, ZoneLimits
+from gateway.broker.session import CLOSED, CONNECTED
+from gateway.broker.store import MemoryStore
+from gateway.mqtt.framing import PacketReader
+from gateway.mqtt.packets import (
+    Connack,
+    Connect,
+    Disconnect,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    Suback,
+    Subscribe,
+    Subscription,
+    Will,
+)
+from gateway.mqtt.properties import PropertyId as P
+from gateway.mqtt.reason_codes import ReasonCode as RC
+
+
+def make_broker(now: float = 0.0) -> Broker:
+    return Broker(BrokerSettings(sys_interval=0), MemoryStore(), now=now)
+
+
+class Client:
+    """One client connection driven by hand: packets in, decoded packets out."""
+
+    _peers = 0
+
+    def __init__(self, broker: Broker, version: int = 4, limits: ZoneLimits | None = None, now: float = 0.0):
+        Client._peers += 1
+        self.broker = broker
+        self.version = version
+        self.conn = broker.open(limits or ZoneLimits(), "external", f"peer:{Client._peers}", now)
+        self.reader = PacketReader(version=version)
+        self.unread: list[Any] = []
+
+    def send(self, packet: Any, now: float = 0.0) -> None:
+        self.send_bytes(packet.encode(self.version), now)
+
+    def send_bytes(self, data: bytes, now: float = 0.0) -> None:
+        self.broker.receive(self.conn, data, now)
+        resume = getattr(self.broker, "resume", None)
+        while resume is not None and self.conn.pending:  # a long PUBACK run handled in parts
+            resume(self.conn, now)
+
+    def read(self) -> list[Any]:
+        """Every packet the broker wrote to this connection since the last read."""
+        data = b"".join(self.conn.out)
+        self.conn.out.clear()
+        self.broker.dirty.discard(self.conn)
+        packets = self.unread + list(self.reader.feed(data))
+        self.unread = []
+        return packets
+
+    def connect(self, client_id: str, now: float = 0.0, **kwargs: Any) -> Connack:
+        self.send(Connect(client_id, protocol_level=self.version, **kwargs), now)
+        packets = self.read()
+        assert isinstance(packets[0], Connack), packets
+        self.unread = packets[1:]  # what a resumed session re-sends after the CONNACK
+        return packets[0]
+
+    def subscribe(self, topic_filter: str, qos: int, now: float = 0.0, packet_id: int = 1) -> list[int]:
+        self.send(Subscribe(packet_id, [Subscription(topic_filter, qos)]), now)
+        suback = self.read()[0]
+        assert isinstance(suback, Suback)
+        return suback.reason_codes
+
+    def publishes(self) -> list[Publish]:
+        packets = self.read()
+        assert all(isinstance(p, Publish) for p in packets), packets
+        return packets
+
+    def disconnect(self, now: float = 0.0) -> None:
+        self.send(Disconnect(), now)
+        self.broker.connection_lost(self.conn, now)
+
+
+def pair(limits: ZoneLimits | None = None, sub_qos: int = 1, version: int = 4) -> tuple[Broker, Client, Client]:
+    """A broker, a subscriber on ``t`` at ``sub_qos`` and a publisher."""
+    broker = make_broker()
+    sub = Client(broker, version, limits)
+    sub.connect("sub")
+    assert sub.subscribe("t", sub_qos) == [sub_qos]
+    pub = Client(broker, version, limits)
+    pub.connect("pub")
+    return broker, sub, pub
+
+
+def publish_many(pub: Client, payloads: list[bytes], qos: int = 1, first_pid: int = 1) -> None:
+    for i, payload in enumerate(payloads):
+        pub.send(Publish("t", payload, qos=qos, packet_id=first_pid + i if qos else None))
+    pub.read()  # PUBACKs
+
+
+def offline_subscriber(broker: Broker, limits: ZoneLimits, qos: int = 1) -> Client:
+    """A persistent session (Clean Session 0) subscribed to ``t`` at ``qos``, now disconnected."""
+    sub = Client(broker, 4, limits)
+    sub.connect("sub", clean_start=False)
+    sub.subscribe("t", qos)
+    sub.disconnect()
+    return sub
+
+
+# --------------------------------------------------------------------------- Inflight Window (seeds 000-002)
+
+
+def test_seed000_inflight_window_full_then_freed_fifo_from_the_message_queue() -> None:
+    broker, sub, pub = pair(ZoneLimits(max_inflight=2))
+    publish_many(pub, [b"m1", b"m2", b"m3", b"m4", b"m5"])
+    first = sub.publishes()
+    assert [p.payload for p in first] == [b"m1", b"m2"]  # the window is full; m3..m5 wait in the queue
+    session = broker.sessions["sub"]
+    assert len(session.inflight) == 2 and len(session.mqueue) == 3
+    sub.send(PubAck(first[0].packet_id))
+    assert [p.payload for p in sub.publishes()] == [b"m3"]  # one slot freed, one message in, FIFO
+    sub.send_bytes(PubAck(first[1].packet_id).encode(4) + PubAck(3).encode(4))
+    assert [p.payload for p in sub.publishes()] == [b"m4", b"m5"]
+    assert not session.mqueue
+
+
+def test_seed000_a_long_run_of_pubacks_refills_the_window_in_order() -> None:
+    broker, sub, pub = pair(ZoneLimits(max_inflight=32, max_mqueue_len=0))
+    publish_many(pub, [b"%d" % i for i in range(100)])
+    got = sub.publishes()
+    assert len(got) == 32
+    while got:  # acknowledge every window in one run of PUBACKs, as a fast subscriber does
+        sub.send_bytes(b"".join(PubAck(p.packet_id).encode(4) for p in got))
+        new = sub.publishes()
+        assert not new or int(new[0].payload) == int(got[-1].payload) + 1
+        got = new
+    assert not broker.sessions["sub"].inflight and not broker.sessions["sub"].mqueue
+
+
+def test_seed001_qos0_bypasses_a_full_inflight_window() -> None:
+    _broker, sub, pub = pair(ZoneLimits(max_inflight=1))
+    publish_many(pub, [b"q1-a", b"q1-b"])
+    assert [p.payload for p in sub.publishes()] == [b"q1-a"]  # q1-b waits in the queue
+    pub.send(Publish("t", b"q0", qos=0))
+    assert [(p.payload, p.qos) for p in sub.publishes()] == [(b"q0", 0)]  # out at once, past the queue
+
+
+def test_seed000_receive_maximum_caps_the_inflight_window() -> None:
+    broker = make_broker()
+    sub = Client(broker, 5, ZoneLimits(max_inflight=32))
+    sub.connect("sub", properties={P.RECEIVE_MAXIMUM: 3})
+    sub.subscribe("t", 1)
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    publish_many(pub, [b"%d" % i for i in range(10)])
+    assert len(sub.publishes()) == 3
+    assert broker.sessions["sub"].conn.window == 3  # type: ignore[union-attr]
+
+
+def test_seed000_max_inflight_caps_a_larger_receive_maximum() -> None:
+    broker = make_broker()
+    sub = Client(broker, 5, ZoneLimits(max_inflight=4))
+    sub.connect("sub", properties={P.RECEIVE_MAXIMUM: 100})
+    sub.subscribe("t", 1)
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    publish_many(pub, [b"%d" % i for i in range(10)])
+    assert len(sub.publishes()) == 4
+
+
+def test_mqtt_4_4_0_1_unacknowledged_publish_resent_with_dup_on_reconnect() -> None:
+    broker = make_broker()
+    limits = ZoneLimits(max_inflight=2)
+    sub = Client(broker, 4, limits)
+    sub.connect("sub", clean_start=False)
+    sub.subscribe("t", 1)
+    pub = Client(broker, 4)
+    pub.connect("pub")
+    publish_many(pub, [b"a", b"b", b"c"])
+    sent = sub.publishes()
+    assert [(p.payload, p.dup) for p in sent] == [(b"a", False), (b"b", False)]
+    broker.connection_lost(sub.conn, 1.0)
+    again = Client(broker, 4, limits, now=2.0)
+    assert again.connect("sub", 2.0, clean_start=False).session_present
+    resent = again.publishes()
+    assert [(p.payload, p.dup, p.packet_id) for p in resent] == [(b"a", True, sent[0].packet_id),
+                                                                  (b"b", True, sent[1].packet_id)]
+    again.send(PubAck(sent[0].packet_id), 2.0)
+    assert [(p.payload, p.dup) for p in again.publishes()] == [(b"c", False)]
+
+
+# --------------------------------------------------------------------------- Message Queue (seeds 000, 002)
+
+
+def test_seed002_full_message_queue_drops_qos0_first() -> None:
+    broker = make_broker()
+    limits = ZoneLimits(max_mqueue_len=3)
+    sub = offline_subscriber(broker, limits)
+    pub = Client(broker)
+    pub.connect("pub")
+    pub.send(Publish("t", b"a", qos=1, packet_id=1))
+    pub.send(Publish("t", b"b", qos=0))
+    pub.send(Publish("t", b"c", qos=1, packet_id=2))
+    pub.send(Publish("t", b"d", qos=1, packet_id=3))  # full: the new one is queued, the QoS 0 one dropped
+    assert broker.stats.dropped["mqueue_full_qos0"] == 1
+    pub.send(Publish("t", b"e", qos=1, packet_id=4))  # full again, no QoS 0 left: the oldest goes
+    assert broker.stats.dropped["mqueue_full"] == 1
+    again = Client(broker, 4, limits)
+    again.connect("sub", clean_start=False)
+    assert [p.payload for p in again.publishes()] == [b"c", b"d", b"e"]
+    assert sub.conn.state == CLOSED
+
+
+def test_seed000_mqueue_store_qos0_false_drops_qos0_for_offline_sessions() -> None:
+    broker = make_broker()
+    limits = ZoneLimits(mqueue_store_qos0=False)
+    offline_subscriber(broker, limits)
+    pub = Client(broker)
+    pub.connect("pub")
+    pub.send(Publish("t", b"q0", qos=0))
+    pub.send(Publish("t", b"q1", qos=1, packet_id=1))
+    assert broker.stats.dropped["qos0_offline"] == 1
+    again = Client(broker, 4, limits)
+    again.connect("sub", clean_start=False)
+    assert [p.payload for p in again.publishes()] == [b"q1"]
+
+
+def test_max_mqueue_bytes_drops_the_oldest_qos0_first() -> None:
+    broker = make_broker()
+    limits = ZoneLimits(max_mqueue_bytes=10)
+    offline_subscriber(broker, limits)
+    pub = Client(broker)
+    pub.connect("pub")
+    pub.send(Publish("t", b"1111", qos=1, packet_id=1))
+    pub.send(Publish("t", b"2222", qos=0))
+    pub.send(Publish("t", b"3333", qos=1, packet_id=2))  # 12 bytes > 10: the QoS 0 one goes
+    assert broker.stats.dropped["mqueue_quota_qos0"] == 1
+    pub.send(Publish("t", b"4444", qos=1, packet_id=3))  # 12 again: the oldest goes
+    assert broker.stats.dropped["mqueue_quota"] == 1
+    assert broker.sessions["sub"].mqueue.bytes == 8
+    again = Client(broker, 4, limits)
+    again.connect("sub", clean_start=False)
+    assert [p.payload for p in again.publishes()] == [b"3333", b"4444"]
+
+
+# --------------------------------------------------------------------------- QoS flows (seed 003)
+
+
+def test_seed003_qos2_duplicate_publish_before_pubrel_delivered_once() -> None:
+    broker, sub, pub = pair(sub_qos=2)
+    pub.send(Publish("t", b"once", qos=2, packet_id=7))
+    assert pub.read() == [PubRec(7)]  # PUBREC at once, the identifier kept
+    assert sub.read() == []  # stored, not delivered before PUBREL
+    pub.send(Publish("t", b"once", qos=2, dup=True, packet_id=7))
+    assert pub.read() == [PubRec(7)]  # a repeat of that identifier: a duplicate, acknowledged again
+    assert broker.stats.dropped["qos2_duplicate"] == 1
+    pub.send(PubRel(7))
+    assert pub.read() == [PubComp(7)]
+    assert [(p.payload, p.qos) for p in sub.publishes()] == [(b"once", 2)]
+    pub.send(PubRel(7))  # a repeated PUBREL after the identifier was forgotten: PUBCOMP again, no copy
+    assert pub.read() == [PubComp(7)]
+    assert sub.read() == []
+
+
+def test_seed003_pubrel_for_an_unknown_identifier_still_gets_pubcomp() -> None:
+    broker = make_broker()
+    c311 = Client(broker, 4)
+    c311.connect("a")
+    c311.send(PubRel(42))
+    assert c311.read() == [PubComp(42)]
+    c5 = Client(broker, 5)
+    c5.connect("b")
+    c5.send(PubRel(42))
+    assert c5.read() == [PubComp(42, RC.PACKET_IDENTIFIER_NOT_FOUND)]  # MQTT 5.0 §3.7.2.1
+
+
+def test_seed003_subscriber_side_qos2_flow_publish_pubrec_pubrel_pubcomp() -> None:
+    broker, sub, pub = pair(sub_qos=2)
+    pub.send(Publish("t", b"x", qos=2, packet_id=1))
+    pub.send(PubRel(1))
+    pub.read()
+    (p,) = sub.publishes()
+    sub.send(PubRec(p.packet_id))
+    assert sub.read() == [PubRel(p.packet_id)]
+    assert broker.sessions["sub"].inflight  # awaiting PUBCOMP
+    sub.send(PubComp(p.packet_id))
+    assert not broker.sessions["sub"].inflight
+
+
+def test_seed003_await_rel_timeout_forgets_the_identifier() -> None:
+    broker, sub, pub = pair(ZoneLimits(await_rel_timeout=300.0), sub_qos=2)
+    pub.send(Publish("t", b"x", qos=2, packet_id=9), 0.0)
+    pub.read()
+    broker.tick(299.0)
+    assert 9 in broker.sessions["pub"].awaiting_rel
+    pub.send(PingReq(), 299.0)  # keeps the connection alive; it has no Keep Alive anyway
+    broker.tick(300.0)
+    assert 9 not in broker.sessions["pub"].awaiting_rel
+    assert broker.stats.dropped["await_rel_timeout"] == 1
+
+
+def test_mqtt_3_3_4_7_more_than_receive_maximum_qos2_awaiting_pubrel_is_0x93() -> None:
+    broker = make_broker()
+    pub = Client(broker, 5, ZoneLimits(max_awaiting_rel=2))
+    assert pub.connect("pub").properties[P.RECEIVE_MAXIMUM] == 2
+    for pid in (1, 2, 3):
+        pub.send(Publish("t", b"x", qos=2, packet_id=pid))
+    packets = pub.read()
+    assert packets[:2] == [PubRec(1), PubRec(2)]
+    assert isinstance(packets[2], Disconnect) and packets[2].reason_code == RC.RECEIVE_MAXIMUM_EXCEEDED
+    assert pub.conn.state == CLOSED
+
+
+def test_seed003_qos_downgrade_is_min_of_publish_and_subscribe() -> None:
+    for sub_qos in (0, 1, 2):
+        for pub_qos in (0, 1, 2):
+            _broker, sub, pub = pair(sub_qos=sub_qos)
+            pub.send(Publish("t", b"x", qos=pub_qos, packet_id=1 if pub_qos else None))
+            if pub_qos == 2:
+                pub.send(PubRel(1))
+            (p,) = sub.publishes()
+            assert p.qos == min(pub_qos, sub_qos), (pub_qos, sub_qos)
+
+
+def test_mqtt_3_3_4_2_overlapping_subscriptions_one_copy_at_the_highest_qos() -> None:
+    broker = make_broker()
+    sub = Client(broker, 5)
+    sub.connect("sub")
+    sub.send(Subscribe(1, [Subscription("t/#", 0)], {P.SUBSCRIPTION_IDENTIFIER: [1]}))
+    sub.send(Subscribe(2, [Subscription("t/+", 1)], {P.SUBSCRIPTION_IDENTIFIER: [2]}))
+    sub.read()
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    pub.send(Publish("t/a", b"x", qos=1, packet_id=1))
+    (p,) = sub.publishes()
+    assert p.qos == 1
+    assert sorted(p.properties[P.SUBSCRIPTION_IDENTIFIER]) == [1, 2]
+
+
+def test_mqtt_4_8_2_shared_subscription_round_robin() -> None:
+    broker = make_broker()
+    members = []
+    for name in ("m1", "m2"):
+        c = Client(broker)
+        c.connect(name)
+        c.subscribe("$share/g/t", 0)
+        members.append(c)
+    pub = Client(broker)
+    pub.connect("pub")
+    for i in range(4):
+        pub.send(Publish("t", b"%d" % i))
+    assert [len(c.publishes()) for c in members] == [2, 2]
+
+
+# --------------------------------------------------------------------------- offline messages (seed 004)
+
+
+def test_seed004_offline_messages_delivered_on_resume() -> None:
+    broker = make_broker()
+    limits = ZoneLimits()
+    offline_subscriber(broker, limits)
+    pub = Client(broker)
+    pub.connect("pub")
+    publish_many(pub, [b"a", b"b"])
+    pub.send(Publish("t", b"c", qos=0))
+    again = Client(broker, 4, limits, now=10.0)
+    assert again.connect("sub", 10.0, clean_start=False).session_present
+    assert [(p.payload, p.qos) for p in again.publishes()] == [(b"a", 1), (b"b", 1), (b"c", 0)]
+
+
+def test_seed004_clean_start_discards_the_session_and_its_offline_messages() -> None:
+    broker = make_broker()
+    limits = ZoneLimits()
+    offline_subscriber(broker, limits)
+    pub = Client(broker)
+    pub.connect("pub")
+    publish_many(pub, [b"a", b"b"])
+    again = Client(broker, 4, limits)
+    assert not again.connect("sub", clean_start=True).session_present  # [MQTT-3.1.2-4]
+    assert again.read() == []
+    assert broker.stats.dropped["session_ended"] == 2
+    pub.send(Publish("t", b"later", qos=1, packet_id=9))
+    assert again.read() == []  # its subscriptions went with the session
+
+
+def test_seed004_message_expiry_interval_drops_queued_messages_on_the_fake_clock() -> None:
+    broker = make_broker()
+    limits = ZoneLimits(message_expiry_interval=300.0)
+    offline_subscriber(broker, limits)
+    pub = Client(broker)
+    pub.connect("pub")
+    pub.send(Publish("t", b"old", qos=1, packet_id=1), 0.0)
+    pub.send(Publish("t", b"new", qos=1, packet_id=2), 100.0)
+    broker.tick(350.0)  # the periodic sweep drops what expired offline
+    assert broker.stats.dropped["expired"] == 1
+    again = Client(broker, 4, limits, now=351.0)
+    again.connect("sub", 351.0, clean_start=False)
+    assert [p.payload for p in again.publishes()] == [b"new"]
+
+
+def test_seed004_publishers_message_expiry_interval_wins_and_the_rest_is_sent_mqtt_3_3_2_6() -> None:
+    broker = make_broker()
+    limits = ZoneLimits(message_expiry_interval=300.0)
+    sub = Client(broker, 5, limits)
+    sub.connect("sub", properties={P.SESSION_EXPIRY_INTERVAL: 3600})
+    sub.subscribe("t", 1)
+    sub.disconnect()
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    pub.send(Publish("t", b"short", qos=1, packet_id=1, properties={P.MESSAGE_EXPIRY_INTERVAL: 10}), 0.0)
+    pub.send(Publish("t", b"long", qos=1, packet_id=2, properties={P.MESSAGE_EXPIRY_INTERVAL: 1000}), 0.0)
+    again = Client(broker, 5, limits, now=30.0)
+    again.connect("sub", 30.0, clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 3600})
+    (p,) = again.publishes()  # "short" expired at 10 s although message_expiry_interval is 300 s
+    assert p.payload == b"long" and p.properties[P.MESSAGE_EXPIRY_INTERVAL] == 970
+
+
+def test_seed004_session_expiry_interval_ends_the_session_on_the_fake_clock() -> None:
+    broker = make_broker()
+    sub = Client(broker, 5)
+    sub.connect("sub", properties={P.SESSION_EXPIRY_INTERVAL: 60})
+    sub.subscribe("t", 1)
+    sub.disconnect(0.0)
+    broker.tick(59.0)
+    assert "sub" in broker.sessions
+    broker.tick(60.0)
+    assert "sub" not in broker.sessions
+    assert broker.stats.dropped["session_expired"] == 1
+    again = Client(broker, 5, now=61.0)
+    assert not again.connect("sub", 61.0, clean_start=False).session_present
+
+
+def test_session_expiry_granted_is_capped_by_session_expiry_interval() -> None:
+    broker = make_broker()
+    c = Client(broker, 5, ZoneLimits(session_expiry_interval=7200.0))
+    ack = c.connect("c", properties={P.SESSION_EXPIRY_INTERVAL: 99999})
+    assert ack.properties[P.SESSION_EXPIRY_INTERVAL] == 7200
+
+
+# --------------------------------------------------------------------------- Keep Alive, take-over, Will
+
+
+def test_mqtt_3_1_2_24_keep_alive_closes_after_one_and_a_half_times() -> None:
+    broker = make_broker()
+    c = Client(broker, 4)
+    c.connect("c", 0.0, keep_alive=10)
+    c.send(PingReq(), 5.0)
+    assert c.read() == [PingResp()]
+    broker.tick(19.9)  # 14.9 s since the last packet
+    assert c.conn.state == CONNECTED
+    broker.tick(20.0)  # 15 s = 1.5 x 10 s
+    assert c.conn.state == CLOSED and c.conn.close_after_flush
+    assert c.read() == []  # 3.1.1 has no DISCONNECT from the server
+
+
+def test_mqtt_3_1_2_22_keep_alive_timeout_is_disconnect_0x8d_in_5_0() -> None:
+    broker = make_broker()
+    c = Client(broker, 5)
+    c.connect("c", 0.0, keep_alive=4)
+    broker.tick(6.0)
+    assert [p.reason_code for p in c.read()] == [RC.KEEP_ALIVE_TIMEOUT]
+    assert c.conn.state == CLOSED
+
+
+def test_mqtt_3_1_4_3_session_take_over_disconnects_the_old_connection_0x8e() -> None:
+    broker = make_broker()
+    old = Client(broker, 5)
+    old.connect("c", properties={P.SESSION_EXPIRY_INTERVAL: 60})
+    new = Client(broker, 5)
+    assert new.connect("c", clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 60}).session_present
+    assert [p.reason_code for p in old.read()] == [RC.SESSION_TAKEN_OVER]
+    assert old.conn.state == CLOSED and new.conn.state == CONNECTED
+
+
+def test_mqtt_3_1_2_8_will_published_when_the_connection_is_lost() -> None:
+    broker = make_broker()
+    sub = Client(broker)
+    sub.connect("sub")
+    sub.subscribe("will/#", 0)
+    c = Client(broker)
+    c.connect("c", will=Will("will/c", b"gone"))
+    broker.connection_lost(c.conn, 1.0)
+    assert [p.payload for p in sub.publishes()] == [b"gone"]
+
+
+def test_mqtt_3_14_4_3_normal_disconnect_discards_the_will() -> None:
+    broker = make_broker()
+    sub = Client(broker)
+    sub.connect("sub")
+    sub.subscribe("will/#", 0)
+    c = Client(broker)
+    c.connect("c", will=Will("will/c", b"gone"))
+    c.disconnect()
+    assert sub.read() == []
+
+
+# --------------------------------------------------------------------------- 5.0 -> 3.1.1 refusals
+
+
+def test_mqtt_3_2_2_refusal_reason_codes_downgrade_to_3_1_1_return_codes() -> None:
+    cases = [
+        # (limits, broker settings, CONNECT kwargs, 5.0 reason code, 3.1.1 return code)
+        (ZoneLimits(max_clientid_len=4), {}, {"client_id": "too-long"}, RC.CLIENT_IDENTIFIER_NOT_VALID, 2),
+        (ZoneLimits(), {"max_sessions": 1}, {"client_id": "second", "clean_start": False}, RC.QUOTA_EXCEEDED, 3),
+    ]
+    for limits, settings, kwargs, v5_code, v311_code in cases:
+        for version, expected in ((5, v5_code), (4, v311_code)):
+            broker = Broker(BrokerSettings(sys_interval=0, **settings), MemoryStore(), now=0.0)
+            first = Client(broker, version, limits)
+            first.connect("first", clean_start=False,
+                          properties={P.SESSION_EXPIRY_INTERVAL: 60} if version == 5 else {})
+            c = Client(broker, version, limits)
+            if version == 5 and not kwargs.get("clean_start", True):
+                kwargs = {**kwargs, "properties": {P.SESSION_EXPIRY_INTERVAL: 60}}
+            c.send(Connect(protocol_level=version, **kwargs))
+            (ack,) = c.read()
+            assert isinstance(ack, Connack) and ack.reason_code == expected, (version, kwargs)
+            assert c.conn.state == CLOSED
+
+
+def test_mqtt_3_1_2_2_unsupported_protocol_level_is_connack_0x01_or_0x84() -> None:
+    broker = make_broker()
+    c = Client(broker, 4)
+    c.send_bytes(Connect("c", protocol_level=4).encode(4).replace(b"MQTT\x04", b"MQTT\x07"))
+    (ack,) = c.read()
+    assert ack.reason_code == 0x01 and c.conn.state == CLOSED
+
+
+def test_mqtt_3_1_2_13_bad_authentication_method_5_0_only() -> None:
+    broker = make_broker()
+    c = Client(broker, 5)
+    c.send(Connect("c", protocol_level=5, properties={P.AUTHENTICATION_METHOD: "SCRAM"}))
+    (ack,) = c.read()
+    assert ack.reason_code == RC.BAD_AUTHENTICATION_METHOD and c.conn.state == CLOSED
+
+
+def test_will_topic_invalid_is_connack_0x90_in_5_0_and_a_close_in_3_1_1() -> None:
+    for version in (5, 4):
+        broker = make_broker()
+        c = Client(broker, version, ZoneLimits(max_topic_levels=2))
+        c.send(Connect("c", protocol_level=version, will=Will("a/b/c", b"x")))
+        packets = c.read()
+        assert [p.reason_code for p in packets] == ([RC.TOPIC_NAME_INVALID] if version == 5 else [])
+        assert c.conn.state == CLOSED
+
+
+def test_suback_failure_0x8f_in_5_0_is_0x80_in_3_1_1() -> None:
+    for version, expected in ((5, RC.TOPIC_FILTER_INVALID), (4, 0x80)):
+        broker = make_broker()
+        c = Client(broker, version, ZoneLimits(max_topic_levels=2))
+        c.connect("c")
+        assert c.subscribe("a/b/c", 1) == [expected]
+
+
+def test_max_subscriptions_suback_0x97_in_5_0_is_0x80_in_3_1_1() -> None:
+    for version, expected in ((5, RC.QUOTA_EXCEEDED), (4, 0x80)):
+        broker = make_broker()
+        c = Client(broker, version, ZoneLimits(max_subscriptions=1))
+        c.connect("c")
+        assert c.subscribe("a", 1) == [1]
+        assert c.subscribe("b", 1, packet_id=2) == [expected]
+
+
+def test_refused_publish_puback_reason_in_5_0_plain_puback_in_3_1_1() -> None:
+    for version, expected in ((5, RC.NOT_AUTHORIZED), (4, 0)):
+        broker = make_broker()
+        c = Client(broker, version)
+        c.connect("c")
+        c.send(Publish("$SYS/x", b"x", qos=1, packet_id=5))
+        assert c.read() == [PubAck(5, expected)]
+        assert broker.stats.dropped["not_authorized"] == 1
+
+
+def test_puback_0x10_no_matching_subscribers_in_5_0_only() -> None:
+    for version, expected in ((5, RC.NO_MATCHING_SUBSCRIBERS), (4, 0)):
+        broker = make_broker()
+        c = Client(broker, version)
+        c.connect("c")
+        c.send(Publish("nobody", b"x", qos=1, packet_id=5))
+        assert c.read() == [PubAck(5, expected)]
+
+
+def test_protocol_error_is_disconnect_with_reason_in_5_0_and_a_close_in_3_1_1() -> None:
+    for version in (5, 4):
+        broker = make_broker()
+        c = Client(broker, version)
+        c.connect("c")
+        c.send(Connect("c", protocol_level=version))  # a second CONNECT [MQTT-3.1.0-2]
+        packets = c.read()
+        assert [p.reason_code for p in packets] == ([RC.PROTOCOL_ERROR] if version == 5 else [])
+        assert c.conn.state == CLOSED
+
+
+def test_mqtt_3_1_0_1_first_packet_not_connect_closes() -> None:
+    broker = make_broker()
+    c = Client(broker)
+    c.send(PingReq())
+    assert c.read() == [] and c.conn.state == CLOSED
+
+
+def test_connect_timeout_on_the_fake_clock() -> None:
+    broker = make_broker()
+    c = Client(broker, 4, ZoneLimits(connect_timeout=10.0))
+    broker.tick(9.9)
+    assert c.conn.state != CLOSED
+    broker.tick(10.0)
+    assert c.conn.state == CLOSED
