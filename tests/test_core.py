@@ -195,8 +195,10 @@ def test_mqtt_4_4_0_1_unacknowledged_publish_resent_with_dup_on_reconnect() -> N
     again = Client(broker, 4, limits, now=2.0)
     assert again.connect("sub", 2.0, clean_start=False).session_present
     resent = again.publishes()
-    assert [(p.payload, p.dup, p.packet_id) for p in resent] == [(b"a", True, sent[0].packet_id),
-                                                                  (b"b", True, sent[1].packet_id)]
+    assert [(p.payload, p.dup, p.packet_id) for p in resent] == [
+        (b"a", True, sent[0].packet_id),
+        (b"b", True, sent[1].packet_id),
+    ]
     again.send(PubAck(sent[0].packet_id), 2.0)
     assert [(p.payload, p.dup) for p in again.publishes()] == [(b"c", False)]
 
@@ -300,7 +302,7 @@ def test_seed003_subscriber_side_qos2_flow_publish_pubrec_pubrel_pubcomp() -> No
 
 
 def test_seed003_await_rel_timeout_forgets_the_identifier() -> None:
-    broker, sub, pub = pair(ZoneLimits(await_rel_timeout=300.0), sub_qos=2)
+    broker, _sub, pub = pair(ZoneLimits(await_rel_timeout=300.0), sub_qos=2)
     pub.send(Publish("t", b"x", qos=2, packet_id=9), 0.0)
     pub.read()
     broker.tick(299.0)
@@ -519,8 +521,9 @@ def test_mqtt_3_2_2_refusal_reason_codes_downgrade_to_3_1_1_return_codes() -> No
         for version, expected in ((5, v5_code), (4, v311_code)):
             broker = Broker(BrokerSettings(sys_interval=0, **settings), MemoryStore(), now=0.0)
             first = Client(broker, version, limits)
-            first.connect("first", clean_start=False,
-                          properties={P.SESSION_EXPIRY_INTERVAL: 60} if version == 5 else {})
+            first.connect(
+                "first", clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 60} if version == 5 else {}
+            )
             c = Client(broker, version, limits)
             if version == 5 and not kwargs.get("clean_start", True):
                 kwargs = {**kwargs, "properties": {P.SESSION_EXPIRY_INTERVAL: 60}}
