@@ -418,6 +418,9 @@ def test_rules_and_loops() -> None:
     assert ob.offer(msg("cmd/gw/reply", b"c", 2), T0)
     assert ob.offer(msg("sensors/a/x", b"s", 2), T0)
     assert [(r.topic, r.qos) for r in rows.outbox_loaded("cloud")] == [("cmd/gw/reply", 1), ("f/a/x", 2)]
+    parent = Outbox(config(forward=[ForwardRule("dev/#", "{topic}", 1)]), rows)
+    assert parent.offer(msg("dev", b"p"), T0)  # "#" includes the parent level [MQTT-4.7.1-2]
+    assert not parent.offer(msg("device/a", b"p"), T0)
 
 
 def test_outbox_module_does_no_io() -> None:
