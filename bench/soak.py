@@ -689,9 +689,11 @@ def connack_label(version: int, code: int) -> str:
 
 def code_label(packet: str, version: int, code: int) -> str:
     if version != 5 and packet == "PUBACK":
-        return "PUBACK"
+        return "PUBACK (3.1.1)"
     if packet == "SUBACK" and code < 0x80:
         return f"SUBACK granted QoS {code}"
+    if packet == "SUBACK" and version != 5:
+        return f"SUBACK 0x{code:02X} Failure (3.1.1)"
     try:
         return f"{packet} 0x{code:02X} {ReasonCode(code).name}"
     except ValueError:
@@ -758,8 +760,12 @@ class Hostile:
         try:
             raw.send(Connect(client_id, version, clean, 30, will=will, properties=props).encode(version))
             p = raw.recv(10)
+        except ConnectionError:
+            self.count(sc, f"{what}: closed by the broker before CONNACK")
+            raw.close()
+            return None
         except (OSError, MQTTError) as exc:
-            self.count(sc, f"{what}: closed before CONNACK ({type(exc).__name__})")
+            self.count(sc, f"{what}: {type(exc).__name__} before CONNACK")
             raw.close()
             return None
         label = packet_label(p, version)
@@ -781,8 +787,11 @@ class Hostile:
                 p = raw.recv(max(0.0, deadline - time.monotonic()))
                 if p is None or isinstance(p, wanted):
                     break
+        except ConnectionError:
+            self.count(sc, f"{what}: closed by the broker")
+            return None
         except (OSError, MQTTError) as exc:
-            self.count(sc, f"{what}: connection closed ({type(exc).__name__})")
+            self.count(sc, f"{what}: {type(exc).__name__}")
             return None
         self.count(sc, f"{what}: {packet_label(p, raw.version)}")
         return p
