@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 
 from gateway.auth.acl import (
     ALLOW_ALL,
+    CACHE_TOPICS,
     READ,
     WRITE,
     Acl,
     AclFileError,
+    FilterIndex,
     Readable,
     filter_covers,
     filter_intersection,
@@ -158,6 +160,23 @@ def test_filter_intersection_is_exactly_the_common_topics(a: str, b: str) -> Non
 def test_filter_covers_is_exactly_inclusion(outer: str, inner: str) -> None:
     included = all(topic_matches(outer, t) for t in UNIVERSE if topic_matches(inner, t))
     assert filter_covers(outer, inner) == included, (outer, inner)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(filters(), max_size=6))
+def test_filter_index_answers_as_topic_matches(filter_list: list[str]) -> None:
+    index = FilterIndex(filter_list)
+    for topic in UNIVERSE:
+        assert index.any_match(topic) == any(topic_matches(f, topic) for f in filter_list), (filter_list, topic)
+
+
+def test_answers_are_cached_per_topic_and_the_cache_is_bounded() -> None:
+    client = Acl.parse("topic readwrite a/#\ntopic deny a/x\n").for_client(None, "c")
+    for i in range(3 * CACHE_TOPICS):
+        assert client.may_publish(f"a/{i}") and client.may_publish(f"a/{i}")
+        assert client.may_receive(f"a/{i}")
+    assert not client.may_publish("a/x") and not client.may_publish("a/x") and not client.may_receive("b")
+    assert len(client._write_cache) <= CACHE_TOPICS and len(client._read_cache) <= CACHE_TOPICS
 
 
 ACL_LEVELS = ["a", "b", "$s", "+", "%c", "%u"]
