@@ -1,7 +1,9 @@
 """Upstream store-and-forward to cloud MQTT brokers (DESIGN.md §5, docs/upstream.md).
 
 :class:`UpstreamBridge` owns one :class:`~gateway.upstream.link.UpstreamLink` per ``[[upstream]]`` entry; the
-runner attaches it to the broker before the listeners open and stops it before the store closes.
+runner attaches it to the broker before the listeners open and stops it before the store closes. Each link is the
+aiomqtt glue around a sans-I/O :class:`~gateway.upstream.outbox.Outbox` (order, window, paced drain, live lane,
+re-send, bounds).
 """
 
 from __future__ import annotations
