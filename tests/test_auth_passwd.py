@@ -68,9 +68,10 @@ def test_our_rewrite_of_a_mosquitto_passwd_file_keeps_the_other_entries_byte_for
 def test_a_file_we_write_is_accepted_by_a_real_mosquitto(tmp_path: Path) -> None:
     """mosquitto 2.0 with password_file and allow_anonymous false: our $7$ and $6$ entries log in with the right
     password (mosquitto_pub -u -P exits 0); a wrong password, an unknown user and no user are refused."""
-    pf = PasswordFile(str(tmp_path / "pw"))
+    pf = PasswordFile.parse("# comments and blank lines, which Mosquitto skips too\n\n", str(tmp_path / "pw"))
     pf.set("alice", "s3cret")
     pf.set("bob", "pä ss wörd")
+    pf.set("dave", "many rounds", iterations=5000)  # Mosquitto reads the count from the entry
     salt = os.urandom(SALT_LEN)
     old = PasswordHash(6, 0, salt, hashlib.sha512(b"legacy" + salt).digest())
     pf.set_hash("carol", old)
@@ -79,10 +80,15 @@ def test_a_file_we_write_is_accepted_by_a_real_mosquitto(tmp_path: Path) -> None
     assert PasswordFile.load(tmp_path / "pw").verify("carol", "legacy")
     extra = f"allow_anonymous false\npassword_file {tmp_path / 'pw'}\n"
     with MosquittoBroker(tmp_path, extra) as broker:
-        for user, password in (("alice", "s3cret"), ("bob", "pä ss wörd"), ("carol", "legacy")):
+        for user, password in (
+            ("alice", "s3cret"),
+            ("bob", "pä ss wörd"),
+            ("carol", "legacy"),
+            ("dave", "many rounds"),
+        ):
             result = mosquitto_pub(broker.port, user, password)
             assert result.returncode == 0, (user, result.stderr, broker.log())
-        for user, password in (("alice", "wrong"), ("alice", "legacy"), ("mallory", "s3cret")):
+        for user, password in (("alice", "wrong"), ("alice", "legacy"), ("dave", "many"), ("mallory", "s3cret")):
             result = mosquitto_pub(broker.port, user, password)
             assert result.returncode != 0, (user, password)
             assert "not authori" in result.stderr.lower(), result.stderr
