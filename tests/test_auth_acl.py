@@ -11,7 +11,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from auth_helpers import MosquittoBroker
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.auth.acl import (
@@ -146,9 +146,11 @@ def filters(draw: st.DrawFn, levels: list[str] = FILTER_LEVELS) -> str:
 
 @settings(max_examples=400, deadline=None)
 @given(filters(), filters())
+@example("/#", "+")  # meet only in the empty topic, which is none
 def test_filter_intersection_is_exactly_the_common_topics(a: str, b: str) -> None:
     both = {t for t in UNIVERSE if topic_matches(a, t) and topic_matches(b, t)}
     meet = filter_intersection(a, b)
+    assert meet != "", (a, b)  # "" would be no filter
     if meet is None:
         assert not both, (a, b, sorted(both)[:5])
     else:
@@ -157,6 +159,8 @@ def test_filter_intersection_is_exactly_the_common_topics(a: str, b: str) -> Non
 
 @settings(max_examples=400, deadline=None)
 @given(filters(), filters())
+@example("/+/#", "/#")  # "/#" matches no "" (no topic), so "/+/#" covers it
+@example("+/#", "#")
 def test_filter_covers_is_exactly_inclusion(outer: str, inner: str) -> None:
     included = all(topic_matches(outer, t) for t in UNIVERSE if topic_matches(inner, t))
     assert filter_covers(outer, inner) == included, (outer, inner)

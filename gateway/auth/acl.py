@@ -125,6 +125,8 @@ def filter_intersection(a: str, b: str) -> str | None:
             return None
     if out[0].startswith("$") and (_wild_start(x) or _wild_start(y)):
         return None
+    if out == [""]:  # only the empty topic, which is no topic [MQTT-4.7.3-1]
+        return None
     return "/".join(out)
 
 
@@ -140,8 +142,9 @@ def filter_covers(outer: str, inner: str) -> bool:
             return False
         xl = x[i]
         if xl == "#":
-            # inner matches every topic from i levels on; only "#" (above) or, at the root, "+/#" match them all
-            return i == 0 and d == ["+", "#"]
+            # inner matches x[:i] and everything below it. Only "#" (above) covers that, or "+/#" when the parent
+            # x[:i] is no topic: at the root, or when it would be the empty topic "" [MQTT-4.7.3-1]
+            return d[i:] == ["+", "#"] and (i == 0 or (i == 1 and x[0] == ""))
         if dl != "+" and dl != xl:
             return False
     return len(x) == len(d)
