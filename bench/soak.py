@@ -215,7 +215,8 @@ class Supervisor:
         self.port = 0
         self.starts = 0
         self.restarts: list[Restart] = []
-        self.rss: list[tuple[float, int]] = []  # (seconds since t0, KiB)
+        self.rss: list[tuple[float, int]] = []  # (seconds since t0, VmRSS KiB)
+        self.rss_anon_max = 0  # RssAnon KiB: VmRSS less file-backed pages (LMDB's map, which the kernel can reclaim)
         self.fatal: str | None = None
         self.final_exit: int | None = None
         self._pump: threading.Thread | None = None
@@ -291,25 +292,30 @@ class Supervisor:
         r.ready_after = self.now() - down_at
 
     def rss_kib(self) -> int | None:
+        """VmRSS of the running broker, KiB (None while it is down); also updates ``rss_anon_max``."""
         if self.proc is None or self.proc.poll() is not None:
             return None
+        rss = None
         try:
             with open(f"/proc/{self.proc.pid}/status") as f:
                 for line in f:
                     if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
+                        rss = int(line.split()[1])
+                    elif line.startswith("RssAnon:"):
+                        self.rss_anon_max = max(self.rss_anon_max, int(line.split()[1]))
         except OSError:
             return None
-        return None
+        return rss
 
     # -- the schedule ----------------------------------------------------------------------------------------
 
-    def run(self, load_end: float, kill_every: float) -> None:
-        self._thread = threading.Thread(target=self._loop, args=(load_end, kill_every), daemon=True)
+    def run(self, load_start: float, load_end: float, kill_every: float) -> None:
+        """Sample every second until :meth:`stop`; kill -9 at ``load_start + k * kill_every`` before ``load_end``."""
+        self._thread = threading.Thread(target=self._loop, args=(load_start, load_end, kill_every), daemon=True)
         self._thread.start()
 
-    def _loop(self, load_end: float, kill_every: float) -> None:
-        next_kill = kill_every if kill_every > 0 else float("inf")
+    def _loop(self, load_start: float, load_end: float, kill_every: float) -> None:
+        next_kill = load_start + kill_every if kill_every > 0 else float("inf")
         tick = self.now()
         try:
             while not self._stop.is_set():
@@ -1289,7 +1295,8 @@ def summarize(args: argparse.Namespace, sup: Supervisor, pairs: list[NormalPair]
             "restart_reasons": dict(Counter(r.reason for r in sup.restarts)),
             "ready_after_s": [round(x, 2) for x in ready],
             "clients_back_after_s": [round(x, 2) for x in back],
-            "rss_max_kib": max_rss, "rss_max_last10_kib": max(rss_last10) if rss_last10 else None,
+            "rss_max_kib": max_rss, "rss_anon_max_kib": sup.rss_anon_max,
+            "rss_max_last10_kib": max(rss_last10) if rss_last10 else None,
             "rss_end_kib": rss_all[-1] if rss_all else None,
             "rss_before_kills_kib": [r.rss_before_kib for r in kills],
             "rss_samples": len(rss_all), "exit_status": sup.final_exit, "store_bytes_end": store_size,
@@ -1351,6 +1358,8 @@ def render(s: dict[str, Any], max_rss_mib: int) -> str:
         f"| kill to ready, s (min / mean / max) | {_span(b['ready_after_s'])} |",
         f"| kill to every normal client reconnected, s (min / mean / max) | {_span(b['clients_back_after_s'])} |",
         f"| RSS max (bound {max_rss_mib} MiB) | {fmt_mib(b['rss_max_kib'])} |",
+        f"| of which anonymous at most (RssAnon; the rest is mostly LMDB's file-backed map) "
+        f"| {fmt_mib(b['rss_anon_max_kib'])} |",
         f"| RSS max over the last 10 minutes | {fmt_mib(b['rss_max_last10_kib'])} |",
         f"| RSS at the end | {fmt_mib(b['rss_end_kib'])} |",
         f"| RSS just before each kill | {', '.join(fmt_mib(k) for k in b['rss_before_kills_kib']) or 'n/a'} |",
@@ -1507,7 +1516,7 @@ def main(argv: list[str] | None = None) -> int:
                                        args=(port_value, hostile_stop, args.seed, args.lanes, args.scenario_seconds,
                                              hostile_result, args.scenarios))
             hostile_proc.start()
-        sup.run(load_end, args.kill_every)
+        sup.run(load_start, load_end, args.kill_every)
         next_report = load_start + 30
         while sup.now() < load_end and sup.fatal is None:
             time.sleep(min(1.0, max(0.0, load_end - sup.now())))
