@@ -115,12 +115,15 @@ class Connection:
             it are dropped, QoS 1/2 wait in the Message Queue.
         paused_at: when ``paused`` last became true, wall-clock seconds (for ``send_timeout``).
         abort: close without writing what is left (a connection stuck past ``send_timeout``).
+        cert_cn: the CN of the client certificate verified on a TLS listener (``use_identity_as_username``), or
+            ``None``; set by the I/O layer before any byte is received.
     """
 
     __slots__ = (
         "abort",
         "aliases_in",
         "aliases_out",
+        "cert_cn",
         "client_id",
         "close_after_flush",
         "connected_at",
@@ -175,6 +178,7 @@ class Connection:
         self.will: Will | None = None
         self.request_problem_info = True
         self.transport: Any = None
+        self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
 
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"
