@@ -1,10 +1,10 @@
 """gateway.auth.tls (issue 15): the listener's SSLContext, checked with real TLS handshakes over loopback sockets
 with certificates made here by ``cryptography``: with and without a client certificate, an expired or untrusted
-one refused, a plaintext client refused, the minimum version and the cipher list applied, the CN extracted."""
+one refused, a plaintext client refused, the minimum version and the cipher list applied, the CN extracted.
+The certificates come from tests/pki.py."""
 
 from __future__ import annotations
 
-import datetime
 import socket
 import ssl
 import threading
@@ -13,100 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from pki import Issued, make_pki
 
 from gateway.auth.tls import TlsConfigError, TlsSettings, build_server_context, peer_common_name
-
-NOW = datetime.datetime.now(datetime.UTC)
-
-
-@dataclass
-class Issued:
-    cert: Path
-    key: Path
-    obj: x509.Certificate
-    private: ec.EllipticCurvePrivateKey
-
-
-def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, password: bytes | None = None) -> None:
-    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    enc = serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption()
-    path.with_suffix(".key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
-    )
-
-
-def issue(
-    directory: Path,
-    name: str,
-    cn: str,
-    ca: Issued | None = None,
-    server: bool = False,
-    days: tuple[int, int] = (-1, 30),
-    password: bytes | None = None,
-    extra_cn: str | None = None,
-) -> Issued:
-    """A P-256 certificate for ``cn`` signed by ``ca`` (self-signed CA when ``ca`` is None), valid ``days`` around
-    now, written as ``<name>.crt`` and ``<name>.key``."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-    if extra_cn:
-        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, extra_cn))
-    subject = x509.Name(attrs)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca.obj.subject if ca else subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(NOW + datetime.timedelta(days=days[0]))
-        .not_valid_after(NOW + datetime.timedelta(days=days[1]))
-    )
-    if ca is None:
-        builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-    else:
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        builder = builder.add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.private.public_key()), critical=False
-        )
-        if server:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(_ip("127.0.0.1"))]),
-                critical=False,
-            )
-    builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-    cert = builder.sign(ca.private if ca else key, hashes.SHA256())
-    base = directory / name
-    _write(base, cert, key, password)
-    return Issued(base.with_suffix(".crt"), base.with_suffix(".key"), cert, key)
-
-
-def _ip(text: str) -> Any:
-    import ipaddress
-
-    return ipaddress.ip_address(text)
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Issued]:
-    d = tmp_path_factory.mktemp("pki")
-    ca = issue(d, "ca", "Test CA")
-    other_ca = issue(d, "other-ca", "Other CA")
-    return {
-        "ca": ca,
-        "server": issue(d, "server", "localhost", ca, server=True),
-        "client": issue(d, "client", "sensor-17", ca, extra_cn="second-cn"),
-        "expired": issue(d, "expired", "old-sensor", ca, days=(-30, -1)),
-        "untrusted": issue(d, "untrusted", "mallory", other_ca),
-        "encrypted": issue(d, "encrypted", "localhost", ca, server=True, password=b"pw"),
-    }
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @dataclass
