@@ -14,6 +14,7 @@ oldest dropped and QoS 0 dropped first. A restart (SIGTERM or SIGKILL) restores 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from bystanders import QoS1Pair
 from helpers import BrokerProcess, RawClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,20 +43,30 @@ class PagedSession:
     """A persistent session's Message Queue on a real LmdbStore, used the way the broker uses it: every entry is
     recorded in the store before it is pushed, and popped or dropped entries are deleted from it."""
 
-    def __init__(self, path: Path, max_len: int, mem_len: int) -> None:
+    def __init__(self, path: Path, max_len: int, mem_len: int, max_size: int = 1024**3) -> None:
         self.path = path
         self.mem_len = mem_len
+        self.max_size = max_size
         self.loop = asyncio.new_event_loop()
         self.store = self._open(max_len)
         self.session = self.store_session(max_len)
         self.tags: dict[int, int] = {}  # store seq -> model tag
+        self.lost: list[int] = []  # tags of entries dropped because their rows were not written
 
     def _open(self, max_len: int) -> LmdbStore:
-        store = LmdbStore(StoreSettings(path=str(self.path), mqueue_mem_len=self.mem_len),
-                          lambda: ZoneLimits(max_mqueue_len=max_len))
+        store = LmdbStore(
+            StoreSettings(path=str(self.path), max_size=self.max_size, mqueue_mem_len=self.mem_len),
+            lambda: ZoneLimits(max_mqueue_len=max_len),
+        )
         self.loaded = store.load(time.time())
         store.attach(self.loop)
+        store.on_queue_rows_lost = self._rows_lost  # as the broker's Broker.queue_rows_lost
         return store
+
+    def _rows_lost(self, client_id: str, seqs: list[int]) -> None:
+        """The store's report of queue rows a failed commit did not write: their entries leave the queue."""
+        assert client_id == "sub"
+        self.lost.extend(self.tags[d.seq] for d in self.session.mqueue.forget_unwritten(seqs))
 
     def store_session(self, max_len: int) -> Session:
         session = Session("sub", ZoneLimits(max_mqueue_len=max_len), expiry_interval=NEVER)
@@ -64,8 +76,8 @@ class PagedSession:
         session.mqueue.enable_paging(*paging)
         return session
 
-    def push(self, tag: int, qos: int) -> tuple[int, int] | None:
-        message = Message(tag, "t", b"%d" % tag, qos, False, {}, 0.0)
+    def push(self, tag: int, qos: int, payload: bytes | None = None) -> tuple[int, int] | None:
+        message = Message(tag, "t", b"%d" % tag if payload is None else payload, qos, False, {}, 0.0)
         delivery = Delivery(message, qos)
         self.store.delivery_saved("sub", delivery)
         self.tags[delivery.seq] = tag
@@ -447,3 +459,204 @@ def test_paged_row_without_its_message_is_forgotten_and_the_rest_drains(tmp_path
         assert "paged entry" in caplog.text and "has no message in the store" in caplog.text
     finally:
         paged.close()
+
+
+# ------------------------------------------------------------------------------------------------ failed commits
+
+
+def test_rows_of_a_failed_commit_leave_the_queue_and_are_never_paged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 13 item 5 ("Message Queue: N paged entries not found in the store"). A commit that fails (here: the
+    store is full at ``max_size``) writes none of the queue rows in it, yet the next commit that succeeds moves
+    ``committed_seq`` past them, and the queue used to page those entries out as rows the store does not have:
+    they counted towards ``len`` and ``max_mqueue_len`` (the drop policy dropped real entries for them) until the
+    drain found them missing and logged an error. Now the store reports the rows it could not write before any
+    later commit lands, and their entries leave the queue (their publishers were not acknowledged). With entries
+    in all three parts (in memory, paged, uncommitted tail) and QoS 0 and 1 mixed, the queue then matches the
+    reference model without the failed entries (pushes report the same victims), after a reload too, drains in
+    order to an empty store, and nothing is logged as missing."""
+    max_len = 12
+    paged = PagedSession(tmp_path / "store", max_len, 2, max_size=1024 * 1024)
+    try:
+        model = Model(max_len, [])
+        queue = paged.session.mqueue
+        for tag, qos in zip(range(1, 7), (1, 0, 1, 1, 0, 1), strict=True):
+            assert paged.push(tag, qos) == model.push(tag, qos)
+        paged.commit()
+        queue.page_out()
+        assert queue.paged == 4  # 1, 2 in memory; 3-6 in the store only
+        # One batch that cannot be written: a message larger than the whole store, and two small ones after it.
+        assert paged.push(7, 1, b"x" * (2 * 1024 * 1024)) is None
+        assert paged.push(8, 0) is None
+        assert paged.push(9, 1) is None
+        paged.commit()
+        assert "could not be written" in caplog.text
+        assert (len(queue), queue.bytes) == (len(model.items), sum(len(b"%d" % t) for t, _q in model.items))
+        # Later commits succeed; the entries pushed since are paged out past the failed rows' seqs.
+        for tag, qos in zip(range(10, 18), (1, 1, 0, 1, 1, 1, 1, 1), strict=True):
+            assert paged.push(tag, qos) == model.push(tag, qos)
+            if tag % 2:
+                paged.commit()
+        paged.commit()
+        queue.page_out()
+        assert queue.paged > 0
+        assert paged.snapshot() == model.items
+        assert (len(queue), queue.bytes) == (len(model.items), sum(len(b"%d" % t) for t, _q in model.items))
+        paged.reopen(max_len)
+        assert paged.snapshot() == model.items
+        drained = []
+        while paged.session.mqueue:
+            drained.append(paged.pop())
+        assert drained == model.items
+        paged.commit()
+        assert paged.rows() == (0, 0)
+        assert "not found in the store" not in caplog.text
+        assert paged.lost == [7, 8, 9]
+    finally:
+        paged.close()
+
+
+def test_paged_rows_missing_from_the_store_are_still_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A real disagreement stays loud: paged rows that vanish from the store behind the queue's back (no failed
+    commit reported them; here deleted directly in LMDB) are forgotten with an error naming how many, and the
+    rest drains in order with the queue's counts at zero."""
+    paged = PagedSession(tmp_path / "store", 0, 2)
+    try:
+        for tag in range(1, 11):
+            paged.push(tag, 1)
+        paged.commit()
+        paged.session.mqueue.page_out()
+        assert paged.session.mqueue.paged == 8
+        assert paged.store.env is not None
+        with paged.store.env.begin(write=True) as txn:
+            for seq, tag in paged.tags.items():
+                if tag in (9, 10):
+                    assert txn.delete(rec.client_prefix("sub") + rec.u64(seq), db=paged.store.dbs[4])
+        drained = []
+        while paged.session.mqueue.peek() is not None:  # pop() would raise IndexError once only 9, 10 are left
+            drained.append(paged.pop()[0])
+        assert drained == list(range(1, 9))
+        assert (len(paged.session.mqueue), paged.session.mqueue.bytes, paged.session.mqueue.paged) == (0, 0, 0)
+        assert "Message Queue: 2 paged entries not found in the store" in caplog.text
+    finally:
+        paged.close()
+
+
+FULL_CONFIG = """
+[broker]
+sys_interval = 1
+
+[store]
+mqueue_mem_len = 4
+max_size = "4MB"
+# Every acknowledged unit of work commits alone, so the commit that fails holds the flood's big message only and
+# the bystander pair's messages commit on their own (a failed commit refuses every publisher in it, by design).
+group_commit = false
+
+[listeners.external]
+bind = "127.0.0.1:0"
+
+[listeners.flood]
+bind = "127.0.0.1:0"
+max_inflight = 5
+max_mqueue_len = 29
+max_packet_size = "8MB"
+"""
+
+
+def _publish_until_acked(port: int, client_id: str, topic: str, tags: range, timeout: float = 20.0) -> None:
+    """Publish ``b"<tag>"`` at QoS 1 for each tag until the broker acknowledges it, reconnecting when it refuses
+    (a 3.1.1 publisher is disconnected while the store is full)."""
+    deadline = time.monotonic() + timeout
+    pub: RawClient | None = None
+    for tag in tags:
+        while True:
+            assert time.monotonic() < deadline, f"tag {tag} was never acknowledged"
+            try:
+                if pub is None:
+                    pub = RawClient(port)
+                    assert pub.connect(client_id).reason_code == 0
+                pub.send(Publish(topic, b"%d" % tag, 1, packet_id=tag))
+                ack = pub.recv(2.0)
+                assert isinstance(ack, PubAck) and ack.packet_id == tag, ack
+                break
+            except (ConnectionError, TimeoutError, OSError):
+                if pub is not None:
+                    pub.close()
+                pub = None
+                time.sleep(0.2)
+    assert pub is not None
+    pub.send(Disconnect())
+    pub.close()
+
+
+def _sys_value(port: int, name: str, timeout: float = 5.0) -> str | None:
+    """The retained ``$SYS/broker/<name>`` value, or None if the broker does not publish it within ``timeout``."""
+    client = RawClient(port)
+    try:
+        assert client.connect("").reason_code == 0
+        client.send(Subscribe(1, [Subscription(f"$SYS/broker/{name}", 0)]))
+        _expect(client, Suback)
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(TimeoutError):
+            while time.monotonic() < deadline:
+                packet = client.recv(max(0.01, deadline - time.monotonic()))
+                if isinstance(packet, Publish):
+                    return packet.payload.decode()
+        return None
+    finally:
+        client.close()
+
+
+def test_offline_flood_with_a_failed_commit_pages_only_stored_rows(tmp_path: Path) -> None:
+    """Issue 13 item 5, end to end: two offline 3.1.1 Clean Session 0 subscribers (``mqueue_mem_len = 4``,
+    ``max_mqueue_len = 29``) get a flood of QoS 1 messages; one of them (4.5 MB) cannot be committed (the store is
+    full at ``max_size``), so it is never acknowledged; the flood goes on once the store takes writes again. The
+    failed message's queue entries leave both queues, counted in ``$SYS/broker/messages/dropped/
+    store_write_failed``; they are not paged out as rows the store lacks ("Message Queue: N paged entries not
+    found in the store") and do not count towards ``max_mqueue_len``: each subscriber then receives exactly the 29
+    acknowledged messages, in order, none dropped for room. A QoS1Pair exchanges messages beside it all and loses
+    nothing."""
+    broker = BrokerProcess(FULL_CONFIG, workdir=str(tmp_path)).start()
+    try:
+        port = broker.ports["flood"]
+        for sub_id in ("pf-sub1", "pf-sub2"):
+            sub = RawClient(port)
+            assert sub.connect(sub_id, clean_start=False).reason_code == 0
+            sub.send(Subscribe(1, [Subscription("pf/#", 1)]))
+            _expect(sub, Suback)
+            sub.close()
+        pair = QoS1Pair(broker.ports["external"], "pagefail", count=300, interval=0.01).start()
+        _publish_until_acked(port, "pf-pub", "pf/t", range(1, 13))
+        pub = RawClient(port)
+        assert pub.connect("pf-pub").reason_code == 0
+        pub.send(Publish("pf/t", b"x" * (4_500_000), 1, packet_id=13))
+        deadline = time.monotonic() + 10
+        while "could not be written" not in broker.log():
+            assert time.monotonic() < deadline, "the big message's commit did not fail"
+            time.sleep(0.05)
+        assert not [p for p in pub.recv_all(0.5) if isinstance(p, PubAck)]  # never acknowledged
+        pub.close()
+        _publish_until_acked(port, "pf-pub", "pf/t", range(14, 31))
+        expected = [*range(1, 13), *range(14, 31)]
+        for sub_id in ("pf-sub1", "pf-sub2"):
+            sub = RawClient(port)
+            assert sub.connect(sub_id, clean_start=False).session_present
+            got = []
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    packet = sub.recv(3.0 if len(got) < len(expected) else 0.3)
+                    assert isinstance(packet, Publish), packet
+                    got.append(int(packet.payload))
+                    assert packet.packet_id is not None
+                    sub.send(PubAck(packet.packet_id))
+            assert got == expected, broker.log()[-3000:]
+            sub.send(Disconnect())
+            sub.close()
+        pair.finish()
+        assert "not found in the store" not in broker.log()
+        assert _sys_value(port, "messages/dropped/store_write_failed") == "2"
+        assert _sys_value(port, "messages/dropped/mqueue_full", 1.5) is None
+    finally:
+        broker.stop()

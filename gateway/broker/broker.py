@@ -851,6 +851,25 @@ class Broker:
             log.warning("Message Queue of %r full (%s): dropped the oldest %s message (%d so far)", session.client_id,
                         limit, "QoS 0" if victim.qos == 0 else f"QoS {victim.qos}", count)
 
+    def queue_rows_lost(self, client_id: str, seqs: list[int]) -> None:
+        """The store did not write these queue rows of ``client_id`` (their commit failed, or left them out;
+        ``seqs`` are store sequence numbers; ``LmdbStore.on_queue_rows_lost``, issue 13 item 5). Their entries
+        leave the Message Queue, counted as ``store_write_failed`` (``_qos0``) drops: their publishers are not
+        acknowledged (DESIGN.md §4), and a queue that kept them would page them out as rows the store lacks."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return
+        for victim in session.mqueue.forget_unwritten(seqs):
+            reason = "store_write_failed_qos0" if victim.qos == 0 else "store_write_failed"
+            count = self.stats.dropped[reason] = self.stats.dropped[reason] + 1
+            if count in (1, 10, 100, 1000) or count % 10000 == 0:
+                log.warning(
+                    "Message Queue of %r: dropped a QoS %d message whose store row could not be written (%d so far)",
+                    client_id[:200],
+                    victim.qos,
+                    count,
+                )
+
     def _send_new(self, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
         """Put ``delivery`` into the Inflight Window with a fresh Packet Identifier and send it.
 

@@ -13,13 +13,19 @@ reads them back in batches as it drains. In FIFO order the queue is then three p
 
 The tail holds entries whose rows are not committed yet (they move into the paged part as commits land) and
 entries that are not stored at all. Memory per paged entry is nothing, or 2 small ints for QoS 0.
+
+The paged part holds only rows the store has: an entry is paged out once the pager's ``committed_seq`` reaches its
+seq, and the store reports the queue rows of a commit that fails (or that a commit leaves out) before any later
+commit moves ``committed_seq`` past them; :meth:`MessageQueue.forget_unwritten` drops those entries first (the
+broker counts them as ``store_write_failed``). A paged entry the drain does not find is therefore a real
+disagreement (a damaged store), logged as an error.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
 
 from gateway.broker.message import Delivery, Message
@@ -274,8 +280,9 @@ class MessageQueue:
         while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
             paged_qos0.popleft()  # type: ignore[union-attr]
         if (not rows or self._page_lo >= self._page_hi) and (self.paged or self._paged_bytes):
-            # The range is read through but entries are left: their rows never reached the store (their commit
-            # failed, so none of them was acknowledged) or their messages were missing.
+            # The range is read through but entries are left: their rows are not in the store although they were
+            # committed (rows of failed commits are reported and never paged, forget_unwritten), or their messages
+            # were missing. A damaged store or a bug: loud.
             if self.paged:
                 log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
             self._len -= self.paged
@@ -343,6 +350,19 @@ class MessageQueue:
         if removed:
             self._compact()
         return removed
+
+    def forget_unwritten(self, seqs: Collection[int]) -> list[Delivery]:
+        """Drop the entries whose store rows were never written (``seqs``: store sequence numbers of the queue rows
+        of a commit that failed, or that the commit left out, as the store reports them); return them in order.
+
+        The store reports them before any later commit lands, so they are all still in memory (head or tail):
+        :meth:`page_out` only moves entries at or below the pager's ``committed_seq``, which has not moved past
+        them yet but will with the next commit that succeeds. Kept, such an entry would be paged out as a row the
+        store does not have: counted in ``len`` and towards ``max_len`` until the drain finds it missing."""
+        wanted = set(seqs)
+        if self.paged and any(self._page_lo < seq <= self._page_hi for seq in wanted):
+            log.error("Message Queue: unwritten store rows were reported after they were paged out: a bug")
+        return self.remove_if(lambda d: d.seq in wanted)
 
     def _compact(self) -> None:
         """Remove dropped entries from the in-memory deques (O(entries held))."""

@@ -54,6 +54,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     io = BrokerIO(broker, loop)
     if lmdb_store is not None:
         lmdb_store.attach(loop, io.schedule_flush)
+        lmdb_store.on_queue_rows_lost = broker.queue_rows_lost  # entries whose rows a commit did not write
 
         def change_failed(client_ids: set[str]) -> None:
             broker.store_change_failed(client_ids, time.time())  # before that commit's acknowledgements run

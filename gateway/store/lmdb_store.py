@@ -44,6 +44,7 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,13 +176,18 @@ def _drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 class LmdbPager:
-    """The :class:`~gateway.broker.store.QueuePager` of one session: reads its committed queue rows."""
+    """The :class:`~gateway.broker.store.QueuePager` of one session: reads its committed queue rows.
 
-    __slots__ = ("prefix", "store")
+    The store keeps a weak index of its pagers by key prefix, to name the session of a queue row that a commit did
+    not write (:meth:`LmdbStore._rows_not_written`)."""
+
+    __slots__ = ("__weakref__", "client_id", "prefix", "store")
 
     def __init__(self, store: LmdbStore, client_id: str) -> None:
         self.store = store
+        self.client_id = client_id
         self.prefix = rec.client_prefix(client_id)
+        store._pagers[self.prefix] = self
 
     def committed_seq(self) -> int:
         """The highest store sequence number known committed (updated as commits land on the loop)."""
@@ -231,6 +237,11 @@ class LmdbStore:
         self.dbs: list[Any] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_callbacks_done: Callable[[], None] | None = None
+        #: Called on the loop with a client id and the seqs of its queue rows that a commit did not write (it
+        #: failed, or left them out), before any later commit lands (``_rows_not_written``): the broker drops
+        #: their Message Queue entries (``Broker.queue_rows_lost``), so that none is paged out as a missing row.
+        self.on_queue_rows_lost: Callable[[str, list[int]], None] | None = None
+        self._pagers: weakref.WeakValueDictionary[bytes, LmdbPager] = weakref.WeakValueDictionary()  # by prefix
         self._ops: list[tuple[Any, ...]] = []
         #: Sends of stored deliveries whose row is not patched yet, by seq: (client id, delivery). Turned into
         #: _Q_SENT operations when the batch is handed over; a delivery deleted before that needs none.
@@ -255,7 +266,8 @@ class LmdbStore:
         self._last_put_mid = 0
         self._top_mid = 0  # no message row has a higher mid (see _apply)
         self._enc: tuple[int, bytes] = (0, b"")  # the last message record encoded on the loop, by mid
-        self.committed_seq = 0  # every queue row with a seq <= this was committed
+        # Every queue row with a seq <= this was committed, except those reported to on_queue_rows_lost first.
+        self.committed_seq = 0
         self.map_lock = threading.Lock()  # no read transaction may be open while the writer resizes the map
         self._inflight_seq: deque[int] = deque()
         self._seq = 1
@@ -755,6 +767,7 @@ class LmdbStore:
             ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
             ok = self._commit(ops)
+            self._report_unwritten(ops if not ok else [op for op, _exc in self._skipped])
             owners = self._take_skipped()
             self.commits += 1
             self.committed_ops += len(ops)
@@ -763,6 +776,40 @@ class LmdbStore:
             if loop is not None and not loop.is_closed():
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(self._committed, len(batches), ok, self.last_failure_full, owners)
+
+    # ---- queue rows a commit did not write (issue 13 item 5; gateway/broker/mqueue.py) ----
+
+    def _report_unwritten(self, ops: list[tuple[Any, ...]]) -> None:
+        """Writer thread: hand the keys of the queue rows among ``ops`` (changes a commit did not write) to the loop,
+        ahead of that commit's ``_committed``: callbacks run in order, so the report lands before
+        ``committed_seq`` moves past those rows. Without a loop (the tools, which commit in the caller) nothing is
+        reported."""
+        keys = [op[1] for op in ops if op[0] == _Q_PUT]
+        loop = self.loop
+        if keys and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._rows_not_written, keys)
+
+    def _rows_not_written(self, keys: list[bytes]) -> None:
+        """Loop: report queue rows that were not written (``keys``: client prefix + seq) to
+        ``on_queue_rows_lost``, by client id. Only paging sessions are named (through their pager): another
+        session holds all its entries in memory, where a missing row does no harm until a restart."""
+        handler = self.on_queue_rows_lost
+        if handler is None:
+            return
+        seqs_by_prefix: dict[bytes, list[int]] = {}
+        for key in keys:
+            seqs_by_prefix.setdefault(key[:-8], []).append(rec.from_u64(key, len(key) - 8))
+        for prefix, seqs in seqs_by_prefix.items():
+            pager = self._pagers.get(prefix)
+            if pager is None:
+                continue
+            try:
+                handler(pager.client_id, seqs)
+            except Exception:
+                log.exception("store: on_queue_rows_lost failed")
+
+    # ---- end of queue rows a commit did not write ----
 
     def _probe(self) -> None:
         """While the store is full (``last_write_failed``) and nothing else commits: once the file system has
