@@ -79,6 +79,13 @@ class ZoneLimits:
         return limit
 
 
+def levels_error(topic: str, max_levels: int) -> str | None:
+    """Why ``topic`` (a Topic Name or Filter) has too many levels for ``max_topic_levels``, or ``None``."""
+    if max_levels and topic.count("/") >= max_levels:
+        return f"more than max_topic_levels = {max_levels} topic levels"
+    return None
+
+
 #: EMQX's defaults for the two zones (seed 000): the external listener faces untrusted apps, the internal
 #: one (loopback, firmware-bridge) carries the gateway's own bulk traffic.
 EXTERNAL = ZoneLimits()

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from gateway.mqtt.properties import Properties
 
+#: "No Subscription Identifiers": one shared list, never mutated.
+NO_IDS: list[int] = []
+
 #: A Delivery waits for PUBACK (QoS 1) or PUBREC (QoS 2).
 AWAIT_ACK = 0
 #: A QoS 2 Delivery whose PUBREC arrived: PUBREL sent, PUBCOMP awaited (MQTT 5.0 §4.3.3).
@@ -71,3 +74,12 @@ class Delivery:
     expires_at: float | None = None
     dropped: bool = False
     seq: int = 0
+
+
+def is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is UTF-8, as a Payload Format Indicator of 1 says (MQTT 5.0 §3.3.2.3.2)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -8,8 +8,6 @@ subscriptions (seeds 000-004).
 
 from __future__ import annotations
 
-from typing import Any
-
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import MessageQueue
@@ -99,7 +97,7 @@ class Session:
 
 
 class Connection:
-    """One Network Connection's protocol state. The I/O layer owns ``transport`` and drains ``out``.
+    """One Network Connection's protocol state. The I/O layer drains ``out`` (and keeps the transport itself).
 
     Attributes:
         out: encoded packets waiting to be written, in order (written in one call per loop turn).
@@ -115,6 +113,9 @@ class Connection:
             it are dropped, QoS 1/2 wait in the Message Queue.
         paused_at: when ``paused`` last became true, wall-clock seconds (for ``send_timeout``).
         abort: close without writing what is left (a connection stuck past ``send_timeout``).
+        pending: :meth:`Broker.receive` left part of its bytes (the rest of a long run of PUBACKs,
+            ``pending_acks``, and what followed it, ``pending_data``): write ``out``, then call
+            :meth:`Broker.resume` until this is False.
         cert_cn: the CN of the client certificate verified on a TLS listener (``use_identity_as_username``), or
             ``None``; set by the I/O layer before any byte is received.
     """
@@ -139,12 +140,14 @@ class Connection:
         "paused",
         "paused_at",
         "peer",
+        "pending",
+        "pending_acks",
+        "pending_data",
         "reader",
         "request_problem_info",
         "session",
         "state",
         "topic_alias_max",
-        "transport",
         "version",
         "will",
         "window",
@@ -177,7 +180,9 @@ class Connection:
         self.abort = False
         self.will: Will | None = None
         self.request_problem_info = True
-        self.transport: Any = None
+        self.pending = False
+        self.pending_acks: list[int] = []
+        self.pending_data = b""
         self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
 
     def __repr__(self) -> str:

@@ -12,10 +12,13 @@ disk or ``store.max_size`` is full), their ``on_failure`` callbacks run instead,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+from gateway.broker.pager import QueuePager
+
+__all__ = ["LoadedState", "MemoryStore", "OutboxRecord", "QueuePager", "SessionStore"]
 
 if TYPE_CHECKING:
     from gateway.broker.message import Delivery, Message
@@ -48,21 +51,6 @@ class OutboxRecord:
     message: Message
     qos: int
     topic: str
-
-
-class QueuePager(Protocol):
-    """Reads back the committed Message Queue rows of one persistent session (queue paging, see
-    :mod:`gateway.broker.mqueue`). Called on the event loop; reads never wait for the writer."""
-
-    def committed_seq(self) -> int:
-        """The highest store sequence number whose queue row is committed (or was committed and later deleted)."""
-        ...
-
-    def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
-        """Up to ``limit`` committed queue rows with ``after < seq <= upto``, in order, as Deliveries (``seq``
-        set, message read back). Rows deleted since are absent; rows whose deletion is not committed yet are
-        still returned (the queue skips them); a row whose message is missing is returned marked ``dropped``."""
-        ...
 
 
 class SessionStore(Protocol):
@@ -157,10 +145,11 @@ class MemoryStore:
     """A :class:`SessionStore` that keeps nothing: sessions live only in the broker's memory."""
 
     def __init__(self) -> None:
-        # Outbox sequence numbers start at the clock (microseconds), so msg_ids stay unique across restarts.
-        self._outbox_seq = int(time.time() * 1_000_000)
+        self._outbox_seq = 0
 
     def load(self, now: float) -> LoadedState:
+        # Outbox sequence numbers start at the clock (microseconds), so msg_ids stay unique across restarts.
+        self._outbox_seq = max(self._outbox_seq, int(now * 1_000_000))
         return LoadedState()
 
     def session_saved(self, session: Session) -> None:

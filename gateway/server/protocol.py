@@ -2,7 +2,10 @@
 
 Each connection's bytes go to the broker as they arrive; everything the broker wants written is sent once per
 loop turn per connection (one ``transport.write`` with all of that turn's packets), and connections the broker
-closed are closed after their last bytes.
+closed are closed after their last bytes. The broker never sees a transport: :attr:`BrokerIO.transports` maps
+each of its :class:`~gateway.broker.session.Connection` objects to one. When the broker leaves part of a read
+pending (``Connection.pending``: a long run of PUBACKs, handled in parts), the connection's output is written at
+once and :meth:`Broker.resume` called, within the same ``data_received``, until nothing is pending.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ class BrokerIO:
         self._ticker: asyncio.Task[None] | None = None
         self.open_connections: set[MQTTProtocol] = set()
         self.throttled: set[MQTTProtocol] = set()  # publishers paused while a consumer is congested
+        #: The transport of each open connection of the broker (the core never holds one).
+        self.transports: dict[Connection, Any] = {}
         self.last_tick = time.monotonic()
-        broker.write_now = self.write_now
 
     def write_now(self, conn: Connection) -> None:
-        """Write ``conn``'s pending packets at once (:attr:`Broker.write_now`); the end-of-turn flush still closes
-        the connection if the broker asked."""
-        transport = conn.transport
+        """Write ``conn``'s pending packets at once (between the parts of a long run of PUBACKs); the end-of-turn
+        flush still closes the connection if the broker asked."""
+        transport = self.transports.get(conn)
         out = conn.out
         if out and transport is not None and not transport.is_closing():
             transport.write(b"".join(out) if len(out) > 1 else out[0])
@@ -60,8 +64,9 @@ class BrokerIO:
             return
         conns = list(dirty)
         dirty.clear()
+        transports = self.transports
         for conn in conns:
-            transport = conn.transport
+            transport = transports.get(conn)
             out = conn.out
             if transport is None or transport.is_closing():
                 out.clear()
@@ -100,8 +105,8 @@ class BrokerIO:
             conn = proto.conn
             if not congested or conn is None or conn.session in congested:
                 self.throttled.discard(proto)
-                if conn is not None and conn.transport is not None:
-                    conn.transport.resume_reading()
+                if proto.transport is not None:
+                    proto.transport.resume_reading()
 
     def start_ticker(self, interval: float = 1.0) -> None:
         """Start the one task that runs all broker deadlines (Keep Alive, expiry, retries, $SYS)."""
@@ -142,13 +147,14 @@ def _close_lingering(transport: Any) -> None:
 class MQTTProtocol(asyncio.Protocol):
     """One client connection on one listener."""
 
-    __slots__ = ("conn", "io", "limits", "listener")
+    __slots__ = ("conn", "io", "limits", "listener", "transport")
 
     def __init__(self, io: BrokerIO, limits: ZoneLimits, listener: str) -> None:
         self.io = io
         self.limits = limits
         self.listener = listener
         self.conn: Connection | None = None
+        self.transport: Any = None
 
     def connection_made(self, transport: Any) -> None:
         peername = transport.get_extra_info("peername")
@@ -163,7 +169,8 @@ class MQTTProtocol(asyncio.Protocol):
             except OSError:
                 pass
         self.conn = self.io.broker.open(self.limits, self.listener, peer, time.time())
-        self.conn.transport = transport
+        self.transport = transport
+        self.io.transports[self.conn] = transport
         high = self.limits.high_watermark
         transport.set_write_buffer_limits(high=high, low=high // 4)
         self.io.open_connections.add(self)
@@ -173,19 +180,26 @@ class MQTTProtocol(asyncio.Protocol):
         if conn is None:
             return
         io = self.io
-        published = io.broker.stats.publish_received
+        broker, transport = io.broker, self.transport
+        published = broker.stats.publish_received
         try:
-            io.broker.receive(conn, data, time.time())
+            now = time.time()
+            broker.receive(conn, data, now)
+            while conn.pending:
+                # A long run of PUBACKs: what its first parts let into the window goes out now, so the client
+                # works on it while the broker handles the rest.
+                io.write_now(conn)
+                broker.resume(conn, now)
         except Exception:
             # A bug must cost one connection, never the broker.
             log.exception("internal error while handling %s; closing that connection", conn)
-            conn.transport.close()
-        congested = io.broker.congested
-        if congested and io.broker.stats.publish_received != published and conn.session not in congested \
-                and conn.transport is not None \
-                and not conn.transport.is_closing():
+            conn.pending = False
+            transport.close()
+        congested = broker.congested
+        if congested and broker.stats.publish_received != published and conn.session not in congested \
+                and transport is not None and not transport.is_closing():
             # Flow control: stop reading this publisher until the congested consumers catch up.
-            conn.transport.pause_reading()
+            transport.pause_reading()
             io.throttled.add(self)
         io.schedule_flush()
 
@@ -208,5 +222,6 @@ class MQTTProtocol(asyncio.Protocol):
             self.io.broker.connection_lost(conn, time.time())
         except Exception:
             log.exception("internal error while closing %s", conn)
-        conn.transport = None
+        self.io.transports.pop(conn, None)
+        self.transport = None
         self.io.schedule_flush()

@@ -42,8 +42,7 @@ from __future__ import annotations
 import hashlib
 import struct
 
-from gateway.broker.broker import NO_IDS
-from gateway.broker.message import Delivery, Message
+from gateway.broker.message import NO_IDS, Delivery, Message
 from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import Session
 from gateway.mqtt.packets import PUBLISH, Will

@@ -1,0 +1,243 @@
+"""CONNECT (MQTT 5.0 §3.1, §3.2; MQTT 3.1.1 §3.1): checks and refusals, session take-over [MQTT-3.1.4-2],
+Clean Start [MQTT-3.1.2-4], resuming a persistent session (seed 004), the negotiated limits (Keep Alive, Receive
+Maximum capping the Inflight Window, Maximum Packet Size, Topic Aliases), the CONNACK, and the re-send of the
+Inflight Window with DUP=1 [MQTT-4.4.0-1]."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from gateway.broker.inflight import pump, resend
+from gateway.broker.limits import levels_error
+from gateway.broker.message import is_utf8
+from gateway.broker.output import send
+from gateway.broker.ratelog import peer_host
+from gateway.broker.reasons import connack_refusal_packet, disconnect
+from gateway.broker.session import CONNECTED, NEVER, Connection, Session
+from gateway.broker.sessions import close, end_session, expire_session
+from gateway.broker.state import BrokerState
+from gateway.mqtt.errors import ProtocolError
+from gateway.mqtt.packets import MQTT_3_1, MQTT_5, Connack, Connect
+from gateway.mqtt.properties import PropertyId as P
+from gateway.mqtt.reason_codes import ReasonCode as RC
+from gateway.mqtt.topics import require_topic, topic_name_error
+
+log = logging.getLogger("gateway.broker")
+
+
+def refuse(core: BrokerState, conn: Connection, reason: RC, message: str, now: float) -> None:
+    """Refuse the CONNECT: CONNACK with ``reason`` (or its 3.1.1 return code; none: just close), then close."""
+    core.rlog.warning(
+        now,
+        peer_host(conn.peer),
+        "refused_" + reason.name,
+        "%s: CONNECT refused (0x%02X %s): %s",
+        conn.peer,
+        reason,
+        reason.name,
+        message,
+    )
+    connack = connack_refusal_packet(conn.version, reason, message)
+    if connack is not None:
+        send(core, conn, connack)
+    close(core, conn, now, publish_will=False)
+
+
+def _client_id_refusal(p: Connect, client_id: str, max_len: int) -> str | None:
+    """Why the Client Identifier is refused (0x85 / return code 2), or ``None``."""
+    if not client_id:
+        if p.protocol_level == MQTT_3_1:
+            # MQTT 3.1 §3.1: a Client Identifier is 1 to 23 characters; none is ever assigned by the server.
+            return "MQTT 3.1 needs a Client Identifier of 1 to 23 characters (3.1.1 MQTT-3.1.3-9)"
+        if p.protocol_level != MQTT_5 and not p.clean_start:
+            # [MQTT-3.1.3-8]: a zero-byte ClientId needs CleanSession = 1.
+            return "an empty Client Identifier requires Clean Session = 1 [MQTT-3.1.3-8]"
+        return None
+    if len(client_id) > max_len or (4 * len(client_id) > max_len and len(client_id.encode("utf-8")) > max_len):
+        return f"Client Identifier longer than max_clientid_len = {max_len} bytes"
+    return None
+
+
+def _will_refusal(core: BrokerState, p: Connect, max_levels: int) -> tuple[RC, str] | None:
+    """Why the Will Message is refused: (5.0 reason code, text), or ``None``."""
+    will = p.will
+    if will is None:
+        return None
+    v5 = p.protocol_level == MQTT_5
+    try:
+        require_topic(will.topic, "Will Topic")
+        if v5 and P.RESPONSE_TOPIC in will.properties:
+            require_topic(will.properties[P.RESPONSE_TOPIC], "Will Response Topic")
+    except ProtocolError as exc:  # [MQTT-4.7.3-1]: 5.0 CONNACK 0x82; 3.1.1 has no return code: closed
+        return exc.reason_code, str(exc)
+    error = topic_name_error(will.topic) or levels_error(will.topic, max_levels)
+    if error:
+        return RC.TOPIC_NAME_INVALID, f"Will Topic {will.topic[:200]!r}: {error}"
+    if v5 and will.properties.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(will.payload):
+        return RC.PAYLOAD_FORMAT_INVALID, "Will Payload is not UTF-8 (MQTT 5.0 §3.1.3.2.3)"
+    if v5 and will.retain and not core.settings.retain_available:
+        return RC.RETAIN_NOT_SUPPORTED, "Will Retain 1, but retained messages are not supported [MQTT-3.2.2-13]"
+    return None
+
+
+def _take_over(core: BrokerState, conn: Connection, session: Session, now: float) -> None:
+    """Session take-over [MQTT-3.1.4-2]: the old connection is closed (5.0: DISCONNECT 0x8E [MQTT-3.1.4-3])."""
+    old = session.conn
+    assert old is not None
+    log.info("%s: client %r takes over the session from %s", conn.peer, session.client_id, old.peer)
+    packet = disconnect(old.version, RC.SESSION_TAKEN_OVER)
+    if packet is not None:
+        send(core, old, packet)
+    close(core, old, now, publish_will=True)
+
+
+def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> None:
+    v5 = p.protocol_level == MQTT_5
+    conn.version = MQTT_5 if v5 else 4
+    limits = conn.limits
+    props = p.properties
+    if v5:
+        # Also bounds a refusal CONNACK's Reason String [MQTT-3.2.2-19].
+        conn.max_packet_size = props.get(P.MAXIMUM_PACKET_SIZE)
+    if P.AUTHENTICATION_METHOD in props:
+        refuse(core, conn, RC.BAD_AUTHENTICATION_METHOD, "enhanced authentication is not supported", now)
+        return
+    client_id = p.client_id
+    bad_id = _client_id_refusal(p, client_id, limits.max_clientid_len)
+    if bad_id is not None:
+        refuse(core, conn, RC.CLIENT_IDENTIFIER_NOT_VALID, bad_id, now)
+        return
+    assigned = None
+    if not client_id:
+        client_id = "auto-" + secrets.token_hex(8)
+        if v5:
+            assigned = client_id
+    bad_will = _will_refusal(core, p, limits.max_topic_levels)
+    if bad_will is not None:
+        refuse(core, conn, bad_will[0], bad_will[1], now)
+        return
+
+    # Session Expiry Interval: 5.0 from the CONNECT (capped), 3.1.1 from Clean Session.
+    requested: float
+    if v5:
+        requested = props.get(P.SESSION_EXPIRY_INTERVAL, 0)
+    else:
+        requested = 0 if p.clean_start else NEVER
+    granted = requested
+    max_expiry = limits.session_expiry_interval
+    if requested and requested > max_expiry and max_expiry >= 0:
+        granted = max_expiry
+    if not v5 and granted == NEVER:
+        granted = max_expiry
+
+    session = core.sessions.get(client_id)
+    max_sessions = core.settings.max_sessions
+    if session is None and granted and max_sessions and core.persistent_count >= max_sessions:
+        # A new persistent session past the cap; resuming or taking over an existing one is always allowed,
+        # and nothing of any other client is touched (issue 13).
+        core.stats.refused["max_sessions"] += 1
+        refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_sessions = {max_sessions} persistent sessions reached", now)
+        return
+
+    if session is not None and session.conn is not None:
+        _take_over(core, conn, session, now)
+        session = core.sessions.get(client_id)
+    if session is not None and session.conn is None and session.expires_at is not None and now >= session.expires_at:
+        # Expired since the last tick: the Session State is gone [MQTT-4.1.0-2] (5.0).
+        expire_session(core, session, now)
+        session = None
+
+    session_present = False
+    if session is not None and p.clean_start:
+        # Clean Start discards the existing session [MQTT-3.1.2-4].
+        end_session(core, session, now)
+        session = None
+    if session is not None:
+        session_present = True
+        core.offline.discard(session)
+        session.expires_at = None
+        if session.will_at is not None:
+            # A new connection before the Will Delay Interval passed: no Will [MQTT-3.1.3-9].
+            session.will = None
+            session.will_at = None
+            core.wills.discard(session)
+    else:
+        session = Session(client_id, limits)
+        core.sessions[client_id] = session
+    _attach(core, conn, session, granted, now)
+    conn.will = p.will
+    keep_alive = p.keep_alive
+    server_keep_alive = None
+    if v5 and limits.max_keepalive and (keep_alive == 0 or keep_alive > limits.max_keepalive):
+        keep_alive = server_keep_alive = limits.max_keepalive
+    conn.keep_alive = keep_alive
+    if v5:
+        conn.window = limits.window(props.get(P.RECEIVE_MAXIMUM, 65535))
+        conn.max_packet_size = props.get(P.MAXIMUM_PACKET_SIZE)
+        conn.topic_alias_max = props.get(P.TOPIC_ALIAS_MAXIMUM, 0)
+        conn.request_problem_info = props.get(P.REQUEST_PROBLEM_INFORMATION, 1) == 1
+    else:
+        conn.window = limits.window(None)
+
+    ack_props: dict[int, Any] = {}
+    if v5:
+        if assigned is not None:
+            ack_props[P.ASSIGNED_CLIENT_IDENTIFIER] = assigned
+        if server_keep_alive is not None:
+            ack_props[P.SERVER_KEEP_ALIVE] = server_keep_alive
+        if granted != requested:
+            ack_props[P.SESSION_EXPIRY_INTERVAL] = int(granted)
+        if limits.max_awaiting_rel < 65535:
+            ack_props[P.RECEIVE_MAXIMUM] = limits.max_awaiting_rel
+        ack_props[P.MAXIMUM_PACKET_SIZE] = limits.max_packet_size
+        if limits.topic_alias_maximum:
+            ack_props[P.TOPIC_ALIAS_MAXIMUM] = limits.topic_alias_maximum
+        if not core.settings.retain_available:
+            ack_props[P.RETAIN_AVAILABLE] = 0
+    log.debug(
+        "%s: %r connected (v%d, clean_start=%s, keep_alive=%d, session_present=%s)",
+        conn.peer,
+        client_id,
+        p.protocol_level,
+        p.clean_start,
+        keep_alive,
+        session_present,
+    )
+    # MQTT 3.1 has no Session Present flag: the first CONNACK byte is reserved, 0 (the session is resumed).
+    send(core, conn, Connack(session_present and p.protocol_level != MQTT_3_1, 0, ack_props))
+
+    # Resume: re-send unacknowledged PUBLISH with DUP=1 and PUBREL, in order [MQTT-4.4.0-1].
+    resend(core, session, conn, now)
+    pump(core, session, now)
+
+
+def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interval: float, now: float) -> None:
+    """Bind ``session`` to ``conn`` with the granted Session Expiry Interval; a session that becomes persistent is
+    recorded in the store (and its queue may page), one that stops being persistent leaves it."""
+    limits = conn.limits
+    was_persistent = session.persistent
+    session.expiry_interval = expiry_interval
+    core.persistent_count += session.persistent - was_persistent
+    session.protocol_level = conn.version
+    if session.limits is not limits:
+        session.limits = limits
+        session.mqueue.max_len = limits.max_mqueue_len
+        session.mqueue.max_bytes = limits.max_mqueue_bytes
+    if session.persistent:
+        core.store.session_saved(session)
+        if session.mqueue.pager is None:
+            paging = core.store.pager(session.client_id)
+            if paging is not None:
+                session.mqueue.enable_paging(*paging)
+    elif was_persistent:
+        session.mqueue.page_in_all()  # its store rows go now; the queue lives on in memory
+        core.store.session_deleted(session.client_id)
+    conn.session = session
+    conn.client_id = session.client_id
+    session.conn = conn
+    conn.state = CONNECTED
+    conn.connected_at = now
+    core.stats.clients_connected += 1
+    core.stats.clients_maximum = max(core.stats.clients_maximum, core.stats.clients_connected)

@@ -1,0 +1,187 @@
+"""A client's PUBLISH (MQTT 5.0 §3.3): Topic Aliases, the checks that refuse it (Receive Maximum, payload format,
+``$SYS``, ``max_topic_levels``, a full store), the Application Message made once, routed, and acknowledged once
+everything it caused is durable (DESIGN.md §4): PUBACK for QoS 1, PUBREC for QoS 2 (:mod:`gateway.broker.qos2`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from gateway.broker.limits import levels_error
+from gateway.broker.message import Message, is_utf8
+from gateway.broker.output import send
+from gateway.broker.qos2 import duplicate, received
+from gateway.broker.ratelog import peer_host
+from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
+from gateway.broker.router import publish
+from gateway.broker.session import CONNECTED, Connection
+from gateway.broker.sessions import close
+from gateway.broker.state import BrokerState
+from gateway.mqtt.errors import MQTTError, ProtocolError
+from gateway.mqtt.packets import MQTT_5, PubAck, Publish, PubRec
+from gateway.mqtt.properties import PropertyId as P
+from gateway.mqtt.reason_codes import ReasonCode as RC
+from gateway.mqtt.topics import require_topic, topic_name_error
+
+# Properties a PUBLISH carries from the publisher to subscribers (MQTT 5.0 §3.3.2.3).
+_STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
+
+
+def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
+    session = conn.session
+    assert session is not None
+    topic = p.topic
+    props = p.properties
+    v5 = conn.version == MQTT_5
+    if v5 and props:
+        alias = props.get(P.TOPIC_ALIAS)
+        if alias is not None:
+            if alias > conn.limits.topic_alias_maximum:
+                raise MQTTError(
+                    RC.TOPIC_ALIAS_INVALID,
+                    f"Topic Alias {alias} above the Topic Alias Maximum "
+                    f"{conn.limits.topic_alias_maximum} [MQTT-3.3.2-9]",
+                )
+            if topic:
+                conn.aliases_in[alias] = topic
+            else:
+                known = conn.aliases_in.get(alias)
+                if known is None:
+                    raise ProtocolError(f"Topic Alias {alias} used before it was set (MQTT 5.0 §3.3.2.3.4)")
+                topic = known
+        if P.SUBSCRIPTION_IDENTIFIER in props:
+            raise ProtocolError("a PUBLISH from a Client must not carry a Subscription Identifier [MQTT-3.3.4-6]")
+        if alias is not None:
+            props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
+        response_topic = props.get(P.RESPONSE_TOPIC)
+        # One pass, as before: topic_name_error holds the MQTT-4.7.3-1 rule too (no second call per message).
+        if response_topic is not None and (bad := topic_name_error(response_topic)):
+            raise ProtocolError(f"Response Topic {response_topic!r}: {bad} [MQTT-3.3.2-14]")
+    if not topic:
+        require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
+    qos = p.qos
+    pid = p.packet_id
+    core.stats.publish_received += 1
+
+    if qos == 2 and pid in session.awaiting_rel:
+        duplicate(core, conn, pid)  # type: ignore[arg-type]
+        return
+    if qos and conn.inbound_pending + len(session.awaiting_rel) >= conn.limits.max_awaiting_rel:
+        raise MQTTError(
+            RC.RECEIVE_MAXIMUM_EXCEEDED,
+            f"more than Receive Maximum ({conn.limits.max_awaiting_rel}) QoS 1/2 PUBLISH "
+            "awaiting acknowledgement [MQTT-3.3.4-7]",
+        )
+    if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
+        reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
+        return
+    if topic == "$SYS" or topic.startswith("$SYS/"):
+        reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
+        return
+    max_levels = conn.limits.max_topic_levels
+    if max_levels and topic.count("/") >= max_levels:
+        reject(core, conn, p, RC.TOPIC_NAME_INVALID, str(levels_error(topic, max_levels)), counter="max_topic_levels")
+        return
+    if p.retain and not core.settings.retain_available:
+        raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
+    if qos and not core.store.has_room(conn.client_id):
+        refuse_unstored(core, conn, p, True, now)
+        return
+
+    expires_at = None
+    if v5:
+        expiry = props.get(P.MESSAGE_EXPIRY_INTERVAL)
+        if expiry is not None:
+            expires_at = now + expiry
+    interned = core.topics.get(topic)
+    if interned is None:
+        if len(core.topics) >= 10_000:
+            core.topics.clear()
+        interned = core.topics[topic] = topic
+    message = Message(core.new_mid(), interned, p.payload, qos, p.retain, props, now, expires_at, conn.client_id)
+    if qos == 0:
+        publish(core, message, now)
+    elif qos == 1:
+        matched = publish(core, message, now)
+        conn.inbound_pending += 1
+        reason = 0 if matched else PUBACK_NO_MATCHING[conn.version]
+        core.store.when_durable(partial(_puback, core, conn, pid, reason), partial(_failed, core, conn, p, now, None))
+    else:
+        received(core, conn, session, pid, message, now, partial(_failed, core, conn, p, now))  # type: ignore[arg-type]
+
+
+def _failed(
+    core: BrokerState, conn: Connection, p: Publish, now: float, entry: tuple[Message, float] | None, full: bool
+) -> None:
+    """The store could not commit what a QoS 1/2 PUBLISH caused (``when_durable``'s ``on_failure``; ``full``:
+    for lack of room): refuse it instead of leaving the publisher waiting (DESIGN.md §4). The Receive Maximum
+    count is given back, and a QoS 2 identifier is released so that the client's retry is taken as new."""
+    if p.qos == 1:
+        conn.inbound_pending -= 1
+    elif conn.session is not None and conn.session.awaiting_rel.get(p.packet_id) is entry:  # type: ignore[arg-type]
+        del conn.session.awaiting_rel[p.packet_id]  # type: ignore[arg-type]
+    refuse_unstored(core, conn, p, full, now)
+
+
+def refuse_unstored(core: BrokerState, conn: Connection, p: Publish, full: bool, now: float) -> None:
+    """Refuse a QoS 1/2 PUBLISH that cannot be made durable (DESIGN.md §4): MQTT 5 PUBACK/PUBREC 0x97 Quota
+    exceeded when the store or its disk is full (else 0x80 Unspecified error, MQTT 5.0 §3.4.2.1); 3.1.1 has no
+    way to refuse, so the publisher is not acknowledged and is disconnected. Counted per message in
+    ``$SYS/broker/messages/dropped/store_full`` (``store_error``); logged at most once a minute per client
+    address."""
+    counter = "store_full" if full else "store_error"
+    if conn.state != CONNECTED:
+        core.stats.dropped[counter] += 1  # gone meanwhile: nothing to answer
+        return
+    reason = store_refusal(conn.version, full)
+    if reason is not None:
+        text = "the message store is full" if full else "the message could not be stored"
+        reject(core, conn, p, reason, text, counter=counter)
+        return
+    core.stats.dropped[counter] += 1
+    core.rlog.error(
+        now,
+        peer_host(conn.peer),
+        counter + "_disconnect",
+        "%s (%s): %s; QoS %d PUBLISH not acknowledged, disconnecting",
+        conn.peer,
+        conn.client_id,
+        "store full" if full else "store write failed",
+        p.qos,
+    )
+    close(core, conn, now, publish_will=False)
+
+
+def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: str, counter: str | None = None) -> None:
+    """Refuse one PUBLISH: counted, logged (rate-limited), PUBACK/PUBREC with ``reason`` (3.1.1: plain)."""
+    counter = counter or reason.name.lower()
+    core.stats.dropped[counter] += 1  # one refused message, one drop reason
+    core.rlog.warning(
+        conn.last_rx,
+        peer_host(conn.peer),
+        "publish_" + counter,
+        "%s (%s): PUBLISH to %r refused: %s (0x%02X)",
+        conn.peer,
+        conn.client_id,
+        p.topic[:200],
+        text,
+        reason,
+    )
+    if p.qos == 1:
+        send(core, conn, PubAck(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
+    elif p.qos == 2:
+        send(core, conn, PubRec(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
+
+
+def _puback(core: BrokerState, conn: Connection, pid: int, reason: int) -> None:
+    """PUBACK a QoS 1 PUBLISH once its work is durable (DESIGN.md §4); the common one (reason 0, MQTT 5.0
+    §3.4.2.1: then the Reason Code may be left out) is built here, without a packet object."""
+    conn.inbound_pending -= 1
+    if conn.state != CONNECTED:
+        return
+    if reason or (conn.max_packet_size is not None and conn.max_packet_size < 4):
+        send(core, conn, PubAck(pid, reason))
+        return
+    conn.out.append(bytes((0x40, 2, pid >> 8, pid & 0xFF)))
+    core.stats.messages_sent += 1
+    core.dirty.add(conn)

@@ -1,0 +1,197 @@
+"""The Inflight Window (seeds 000-002): QoS 1/2 messages sent to a client and not yet acknowledged.
+
+Its length is ``Connection.window``: ``max_inflight`` capped by an MQTT 5 client's Receive Maximum
+(:meth:`~gateway.broker.limits.ZoneLimits.window`). A message enters with a fresh Packet Identifier
+[MQTT-2.2.1-2]; PUBACK (QoS 1) or PUBREC/PUBREL/PUBCOMP (QoS 2) end it, and every freed slot takes the next
+message from the Message Queue in FIFO order (:func:`pump`). What is unacknowledged is re-sent with DUP=1 on
+reconnect (MQTT 5: only then [MQTT-4.4.0-1]) and, for 3.1.1, after ``retry_interval`` (:func:`resend`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gateway.broker.message import AWAIT_COMP, Delivery
+from gateway.broker.output import send, write_publish
+from gateway.broker.reasons import unknown_packet_id
+from gateway.broker.session import CONNECTED, Connection, Session
+from gateway.broker.state import BrokerState
+from gateway.mqtt.packets import PACKET_NAMES, PUBACK, PubAck, PubComp, PubRec, PubRel
+
+log = logging.getLogger("gateway.broker")
+
+#: Acknowledgements of one run handled before the messages they let into the window are written out: a long
+#: run of PUBACKs is handled in parts of this many, and the I/O layer writes between parts (Broker.resume), so
+#: the client works on the first messages that refilled its window while the broker prepares the rest.
+ACK_RUN_PART = 8
+
+
+def send_new(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    """Put ``delivery`` into the Inflight Window with a fresh Packet Identifier and send it.
+
+    For a persistent session the Packet Identifier is recorded first; a QoS 2 PUBLISH goes out only once
+    that is durable, so that after a crash the same identifier is re-sent and the receiver can recognise
+    the duplicate (exactly once end to end, DESIGN.md §4)."""
+    inflight = session.inflight
+    pid = session.next_packet_id
+    if pid in inflight:
+        pid = session.allocate_packet_id()
+    else:
+        session.next_packet_id = pid % 65535 + 1  # allocate_packet_id's answer, without the call
+    delivery.packet_id = pid
+    delivery.sent_at = now
+    inflight[pid] = delivery
+    if session.persistent:
+        core.store.delivery_saved(session.client_id, delivery)  # in flight, to re-send with DUP=1
+        if delivery.qos == 2 or session.held_sends:
+            # QoS 2 waits for that record; anything behind a held send waits too (FIFO, seed 000). A QoS 1
+            # PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows.
+            session.held_sends += 1
+            # Also sent when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is
+            # only that a crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
+            core.store.when_durable(
+                lambda: _send_durable(core, session, conn, delivery, now),
+                lambda _full: _send_durable(core, session, conn, delivery, now),
+            )
+            return
+    if not write_publish(
+        core, conn, delivery.message, delivery.qos, delivery.retain, pid, False, delivery.sub_ids, now
+    ):
+        finish(core, session, delivery)
+
+
+def _send_durable(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    session.held_sends -= 1
+    if conn.state != CONNECTED or session.inflight.get(delivery.packet_id) is not delivery:
+        return
+    if not write_publish(
+        core, conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id, False, delivery.sub_ids, now
+    ):
+        finish(core, session, delivery)
+
+
+def _send_held_qos0(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    session.held_sends -= 1
+    if conn.state == CONNECTED:
+        write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
+
+
+def pump(core: BrokerState, session: Session, now: float) -> None:
+    """Move queued messages into the Inflight Window while it has room, FIFO (seed 000)."""
+    conn = session.conn
+    if conn is None:
+        return
+    mqueue = session.mqueue
+    inflight = session.inflight
+    window = conn.window
+    persistent = session.persistent
+    store = core.store
+    while mqueue and len(inflight) < window and not conn.paused:
+        delivery = mqueue.pop()
+        if delivery.expires_at is not None and now >= delivery.expires_at:
+            core.stats.dropped["expired"] += 1
+            if persistent:
+                store.delivery_deleted(session.client_id, delivery)
+            continue
+        if delivery.qos == 0:
+            if persistent and session.held_sends:
+                # Behind a QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
+                session.held_sends += 1
+                store.when_durable(
+                    lambda d=delivery: _send_held_qos0(core, session, conn, d, now),
+                    lambda _full, d=delivery: _send_held_qos0(core, session, conn, d, now),
+                )
+                store.delivery_deleted(session.client_id, delivery)
+            elif persistent:
+                write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
+                store.delivery_deleted(session.client_id, delivery)
+            else:
+                write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
+            continue
+        send_new(core, session, conn, delivery, now)
+    if session in core.congested and len(mqueue) <= window:
+        core.congested.discard(session)
+
+
+def finish(core: BrokerState, session: Session, delivery: Delivery) -> None:
+    """A delivery left the Inflight Window for good (acknowledged, refused or undeliverable)."""
+    session.inflight.pop(delivery.packet_id, None)
+    if session.persistent:
+        core.store.delivery_deleted(session.client_id, delivery)
+
+
+def resend(core: BrokerState, session: Session, conn: Connection, now: float, older_than: float = 0.0) -> None:
+    """Re-send, in order, what the window holds (sent at least ``older_than`` seconds ago): PUBLISH with DUP=1,
+    or PUBREL for a QoS 2 message whose PUBREC arrived. On reconnect [MQTT-4.4.0-1], and for 3.1.1 after
+    ``retry_interval``. A PUBLISH over the client's Maximum Packet Size leaves the window."""
+    for delivery in list(session.inflight.values()):
+        if older_than and now - delivery.sent_at < older_than:
+            continue
+        delivery.sent_at = now
+        if delivery.state == AWAIT_COMP:
+            send(core, conn, PubRel(delivery.packet_id))
+        elif not write_publish(
+            core, conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id, True, delivery.sub_ids, now
+        ):
+            finish(core, session, delivery)
+
+
+# ------------------------------------------------------------------------------------------ acknowledgements
+
+
+def on_completion(core: BrokerState, conn: Connection, p: PubAck | PubComp, now: float) -> None:
+    """PUBACK ends a QoS 1 delivery, PUBCOMP a QoS 2 delivery whose PUBREC arrived; the freed slot is refilled."""
+    conn.last_ack_at = now
+    session = conn.session
+    assert session is not None
+    delivery = session.inflight.get(p.packet_id)
+    if delivery is None or (delivery.qos != 1 if p.TYPE == PUBACK else delivery.state != AWAIT_COMP):
+        log.debug("%s: %s for unknown Packet Identifier %d", conn.client_id, PACKET_NAMES[p.TYPE], p.packet_id)
+        return
+    finish(core, session, delivery)
+    pump(core, session, now)
+
+
+def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
+    """A part of a run of plain PUBACKs (Reason Code 0) read in one go (at most :data:`ACK_RUN_PART`): each
+    ends its QoS 1 delivery as :func:`on_completion` does, then the window is refilled once (FIFO, seed 000)."""
+    conn.last_ack_at = now
+    session = conn.session
+    assert session is not None
+    inflight = session.inflight
+    done: list[Delivery] = []
+    for pid in pids:
+        delivery = inflight.get(pid)
+        if delivery is None or delivery.qos != 1:
+            log.debug("%s: PUBACK for unknown Packet Identifier %d", conn.client_id, pid)
+            continue
+        del inflight[pid]
+        done.append(delivery)
+    if session.persistent and done:
+        core.store.deliveries_deleted(session.client_id, done)
+    pump(core, session, now)
+
+
+def on_pubrec(core: BrokerState, conn: Connection, p: PubRec, now: float) -> None:
+    conn.last_ack_at = now
+    session = conn.session
+    assert session is not None
+    delivery = session.inflight.get(p.packet_id)
+    if delivery is None or delivery.qos != 2:
+        send(core, conn, PubRel(p.packet_id, unknown_packet_id(conn.version)))
+        return
+    if p.reason_code >= 0x80:
+        # The receiver refused the message: the flow ends here (MQTT 5.0 §4.3.3).
+        finish(core, session, delivery)
+        pump(core, session, now)
+        return
+    if delivery.state != AWAIT_COMP:
+        delivery.state = AWAIT_COMP
+        if session.persistent:
+            # PUBREC received must be durable before PUBREL goes out: after a crash the broker then
+            # re-sends PUBREL, never the PUBLISH (exactly once, MQTT 5.0 §4.3.3).
+            core.store.delivery_saved(session.client_id, delivery)
+            pid = p.packet_id
+            core.store.when_durable(lambda: send(core, conn, PubRel(pid)) if conn.state == CONNECTED else None)
+            return
+    send(core, conn, PubRel(p.packet_id))

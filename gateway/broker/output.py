@@ -1,0 +1,108 @@
+"""Packets onto a connection's output: encode, respect the client's Maximum Packet Size, queue the bytes on
+``Connection.out`` and mark the connection dirty for the I/O layer (which writes each dirty connection once per
+loop turn). A PUBLISH is encoded once per (Protocol Level, QoS, RETAIN) variant and reused for every subscriber."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.broker.message import Message
+from gateway.broker.session import Connection
+from gateway.broker.state import BrokerState
+from gateway.mqtt.packets import MQTT_5, encode_publish_parts
+from gateway.mqtt.properties import PropertyId as P
+
+
+def send(core: BrokerState, conn: Connection, packet: Any) -> None:
+    """Queue ``packet`` for ``conn``; dropped (counted) if over the client's Maximum Packet Size even without its
+    Reason String and User Properties [MQTT-3.1.2-25]."""
+    data = packet.encode(conn.version)
+    limit = conn.max_packet_size
+    if limit is not None and len(data) > limit:
+        props = getattr(packet, "properties", None)
+        if props:
+            # Reason String and User Properties are dropped first [MQTT-3.1.2-25]..
+            props.pop(P.REASON_STRING, None)
+            props.pop(P.USER_PROPERTY, None)
+            data = packet.encode(conn.version)
+        if len(data) > limit:
+            core.stats.dropped["packet_too_large"] += 1
+            return
+    conn.out.append(data)
+    core.stats.messages_sent += 1
+    core.dirty.add(conn)
+
+
+def send_raw(core: BrokerState, conn: Connection, data: bytes) -> None:
+    """Queue bytes already encoded (a CONNACK before the Protocol Level is known)."""
+    conn.out.append(data)
+    core.dirty.add(conn)
+
+
+def write_publish(
+    core: BrokerState,
+    conn: Connection,
+    message: Message,
+    qos: int,
+    retain: bool,
+    pid: int,
+    dup: bool,
+    sub_ids: list[int],
+    now: float,
+) -> bool:
+    """Encode and queue a PUBLISH to ``conn``; False when it exceeds the client's Maximum Packet Size and
+    was discarded instead [MQTT-3.1.2-25]."""
+    version = conn.version
+    props = message.properties
+    topic = message.topic
+    new_alias = 0
+    if version == MQTT_5 and (sub_ids or message.expires_at is not None or conn.topic_alias_max):
+        props = dict(props)
+        if sub_ids:
+            props[P.SUBSCRIPTION_IDENTIFIER] = sub_ids
+        if message.expires_at is not None:
+            # The remaining lifetime [MQTT-3.3.2-6].
+            props[P.MESSAGE_EXPIRY_INTERVAL] = max(0, int(message.expires_at - now + 0.999))
+        if conn.topic_alias_max:
+            alias = conn.aliases_out.get(topic)
+            if alias is not None:
+                props[P.TOPIC_ALIAS] = alias
+                topic = ""
+            elif len(conn.aliases_out) < conn.topic_alias_max:
+                alias = new_alias = len(conn.aliases_out) + 1
+                props[P.TOPIC_ALIAS] = alias
+        head, tail = encode_publish_parts(topic, message.payload, qos, retain, props, version)
+    else:
+        # The common variant: encoded once per (version, QoS, RETAIN) and reused for every subscriber.
+        cache = core.enc_cache
+        if core.enc_mid != message.mid:
+            core.enc_mid = message.mid
+            cache.clear()
+            parts = None
+        else:
+            parts = cache.get((version, qos, retain))
+        if parts is None:
+            parts = cache[(version, qos, retain)] = encode_publish_parts(
+                topic, message.payload, qos, retain, props, version
+            )
+        head, tail = parts
+    if dup:
+        head = bytes((head[0] | 0x08,)) + head[1:]
+    limit = conn.max_packet_size
+    if limit is not None and len(head) + len(tail) + (2 if qos else 0) > limit:
+        core.stats.dropped["packet_too_large"] += 1
+        return False
+    if new_alias:
+        # Only a PUBLISH actually sent sets up an alias on the client's side.
+        conn.aliases_out[topic] = new_alias
+    out = conn.out
+    if qos:
+        out.append(head + pid.to_bytes(2, "big"))
+    else:
+        out.append(head)
+    out.append(tail)
+    stats = core.stats
+    stats.publish_sent += 1
+    stats.messages_sent += 1
+    core.dirty.add(conn)
+    return True

@@ -1,0 +1,80 @@
+"""The QoS 2 receiver (seed 003, "method B"; MQTT 5.0 §4.3.3): the broker keeps an inbound QoS 2 message and
+its Packet Identifier, answers PUBREC once that is durable, treats a repeat of the identifier as a duplicate
+(PUBREC again, no second copy), routes the message onward on PUBREL, then forgets the identifier and sends
+PUBCOMP; a PUBREL for an identifier it does not know still gets PUBCOMP (5.0: 0x92). ``max_awaiting_rel`` bounds
+the identifiers held (checked with Receive Maximum in :mod:`gateway.broker.inbound`), ``await_rel_timeout``
+their age.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.broker.message import Message
+from gateway.broker.output import send
+from gateway.broker.reasons import unknown_packet_id
+from gateway.broker.router import publish
+from gateway.broker.session import CONNECTED, Connection, Session
+from gateway.broker.state import BrokerState
+from gateway.mqtt.packets import PubComp, PubRec, PubRel
+
+
+def received(
+    core: BrokerState,
+    conn: Connection,
+    session: Session,
+    pid: int,
+    message: Message,
+    now: float,
+    on_failure: Callable[[tuple[Message, float], bool], None],
+) -> None:
+    """Keep a new QoS 2 ``message`` under ``pid`` until its PUBREL, and PUBREC it once that is durable
+    (``on_failure(entry, full)`` when the commit fails)."""
+    entry = session.awaiting_rel[pid] = (message, now)
+    if session.persistent:
+        core.store.inbound_saved(session.client_id, pid, message)
+    core.store.when_durable(lambda: pubrec(core, conn, pid), lambda full: on_failure(entry, full))
+
+
+def duplicate(core: BrokerState, conn: Connection, pid: int) -> None:
+    """A re-sent QoS 2 PUBLISH for an identifier awaiting PUBREL: PUBREC again, no second copy (seed 003)."""
+    core.stats.dropped["qos2_duplicate"] += 1
+    core.store.when_durable(lambda: pubrec(core, conn, pid))
+
+
+def pubrec(core: BrokerState, conn: Connection, pid: int) -> None:
+    if conn.state == CONNECTED:
+        send(core, conn, PubRec(pid))
+
+
+def on_pubrel(core: BrokerState, conn: Connection, p: PubRel, now: float) -> None:
+    session = conn.session
+    assert session is not None
+    entry = session.awaiting_rel.pop(p.packet_id, None)
+    reason = 0
+    if entry is not None:
+        if session.persistent:
+            core.store.inbound_deleted(session.client_id, p.packet_id)
+        if entry[0].expired(now):
+            # Expired before onward delivery started: no copy for anyone [MQTT-3.3.2-5]; the flow still
+            # completes with PUBCOMP 0x00 [MQTT-4.3.3-13].
+            core.stats.dropped["expired"] += 1
+        else:
+            publish(core, entry[0], now)
+    else:
+        # PUBCOMP also for an unknown identifier (seed 003), 5.0 with 0x92 (MQTT 5.0 §3.7.2.1).
+        reason = unknown_packet_id(conn.version)
+    core.store.when_durable(lambda: send(core, conn, PubComp(p.packet_id, reason)) if conn.state == CONNECTED else None)
+
+
+def expire_awaiting_rel(core: BrokerState, session: Session, now: float) -> None:
+    """Forget the identifiers whose PUBREL did not come within ``await_rel_timeout``."""
+    timeout = session.limits.await_rel_timeout
+    if not timeout or not session.awaiting_rel:
+        return
+    for pid, (_message, received_at) in list(session.awaiting_rel.items()):
+        if now - received_at >= timeout:
+            del session.awaiting_rel[pid]
+            core.stats.dropped["await_rel_timeout"] += 1
+            if session.persistent:
+                core.store.inbound_deleted(session.client_id, pid)

@@ -1,0 +1,102 @@
+"""The broker's state that every packet handler reads: sessions, connections, the subscription tree, retained
+messages, the store, counters. One object (:class:`BrokerState`), passed as ``core`` to the handler modules
+(connect, inbound, qos2, router, delivery, inflight, subscribe, sessions, timers), which are functions over it;
+:class:`~gateway.broker.broker.Broker` is this state plus the entry points the I/O layer calls."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from gateway.broker.limits import BrokerSettings
+from gateway.broker.message import Message
+from gateway.broker.ratelog import RateLimitedLog
+from gateway.broker.routing import RetainedMessages, SubscriptionTree
+from gateway.broker.session import Connection, Session
+from gateway.broker.store import MemoryStore, SessionStore
+
+log = logging.getLogger("gateway.broker")
+
+
+class Stats:
+    """Broker counters (``$SYS/broker/...``): messages in/out, drops by reason, connections."""
+
+    __slots__ = (
+        "bytes_received",
+        "clients_connected",
+        "clients_maximum",
+        "connections_total",
+        "dropped",
+        "messages_received",
+        "messages_sent",
+        "publish_received",
+        "publish_sent",
+        "refused",
+    )
+
+    def __init__(self) -> None:
+        self.messages_received = 0
+        self.messages_sent = 0
+        self.publish_received = 0
+        self.publish_sent = 0
+        self.bytes_received = 0
+        self.clients_connected = 0
+        self.clients_maximum = 0
+        self.connections_total = 0
+        self.dropped: Counter[str] = Counter()
+        #: Requests refused by a limit, by limit name (``$SYS/broker/refused/<name>``): CONNECTs past
+        #: ``max_sessions``, Topic Filters past ``max_subscriptions``, connections closed by ``send_timeout``.
+        self.refused: Counter[str] = Counter()
+
+
+class BrokerState:
+    """Everything the broker knows, and nothing it does.
+
+    Args:
+        settings: broker-wide settings and per-zone limits.
+        store: where persistent sessions and retained messages are recorded (default: memory only).
+        now: wall-clock seconds at start.
+    """
+
+    def __init__(self, settings: BrokerSettings | None, store: SessionStore | None, now: float) -> None:
+        self.settings = settings or BrokerSettings()
+        self.store: SessionStore = store or MemoryStore()
+        self.sessions: dict[str, Session] = {}
+        self.connections: set[Connection] = set()
+        self.tree = SubscriptionTree()
+        self.retained = RetainedMessages()
+        #: Connections with output to write; the I/O layer writes and clears them once per loop turn.
+        self.dirty: set[Connection] = set()
+        self.stats = Stats()
+        self.started_at = now
+        self.next_mid = 1
+        #: Persistent sessions without a connection (session expiry, the sweep of expired queued messages).
+        self.offline: set[Session] = set()
+        #: Sessions with a delayed Will Message pending.
+        self.wills: set[Session] = set()
+        #: Online sessions whose consumer acknowledges but falls behind: the I/O layer pauses reading from
+        #: publishers while this is non-empty (flow control, so backlogs and latency stay bounded).
+        self.congested: set[Session] = set()
+        #: Called with every Application Message a client (or its Will) published, before the publisher's
+        #: acknowledgement is registered, so durable work they record joins the same commit (the upstream
+        #: bridge's outbox, gateway/upstream/). Not called for messages without a sender ($SYS).
+        #: Upstream hooks: each sees every client-originated message and returns True when it took it.
+        self.forwarders: list[Callable[[Message, float], bool]] = []
+        #: Protocol errors, refusals and limits hit are logged at most once a minute per client and reason.
+        self.rlog = RateLimitedLog(log)
+        #: Sessions with a Session Expiry Interval > 0 held, online and offline (``max_sessions``).
+        self.persistent_count = 0
+        self.next_sys = now
+        self.next_sweep = now
+        #: One str per topic name shared by queued messages (memory).
+        self.topics: dict[str, str] = {}
+        #: The encoded PUBLISH variants of the message last sent (output.write_publish).
+        self.enc_mid = 0
+        self.enc_cache: dict[tuple[int, int, bool], tuple[bytes, bytes]] = {}
+
+    def new_mid(self) -> int:
+        """The next broker-unique message id (increasing in arrival order: the store's key)."""
+        mid = self.next_mid
+        self.next_mid = mid + 1
+        return mid

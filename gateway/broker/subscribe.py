@@ -1,0 +1,119 @@
+"""SUBSCRIBE and UNSUBSCRIBE (MQTT 5.0 §3.8-3.11): Topic Filter checks, shared subscriptions (MQTT 5.0 §4.8.2),
+``max_subscriptions`` and ``max_topic_levels``, the SUBACK once the subscriptions are durable, then the retained
+messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
+
+from __future__ import annotations
+
+from gateway.broker.delivery import deliver
+from gateway.broker.limits import levels_error
+from gateway.broker.output import send
+from gateway.broker.ratelog import peer_host
+from gateway.broker.reasons import suback_failure
+from gateway.broker.routing import SubscriptionRecord
+from gateway.broker.session import CONNECTED, Connection
+from gateway.broker.state import BrokerState
+from gateway.mqtt.errors import ProtocolError
+from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, Unsuback, Unsubscribe
+from gateway.mqtt.properties import PropertyId as P
+from gateway.mqtt.reason_codes import ReasonCode as RC
+from gateway.mqtt.topics import parse_shared, topic_filter_error
+
+
+def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) -> None:
+    session = conn.session
+    assert session is not None
+    # A Subscription Identifier (5.0) applies to every filter of this SUBSCRIBE [MQTT-3.8.2.1.2].
+    ids = p.properties.get(P.SUBSCRIPTION_IDENTIFIER) if conn.version == MQTT_5 else None
+    sub_id = ids[0] if ids else None
+    codes: list[int] = []
+    retained: list[SubscriptionRecord] = []
+    limits = conn.limits
+    for sub in p.subscriptions:
+        shared = parse_shared(sub.topic_filter)
+        if isinstance(shared, str):
+            error: str | None = shared
+            inner, group = sub.topic_filter, None
+        elif shared is None:
+            inner, group = sub.topic_filter, None
+            error = topic_filter_error(inner)
+        else:
+            inner, group = shared.topic_filter, shared.group
+            error = None
+            if sub.no_local:
+                raise ProtocolError("No Local on a Shared Subscription [MQTT-3.8.3-4]")
+        if not error:
+            error = levels_error(inner, limits.max_topic_levels)
+        if error:
+            core.rlog.info(
+                now,
+                peer_host(conn.peer),
+                "subscribe_refused",
+                "%s (%s): SUBSCRIBE %r refused: %s",
+                conn.peer,
+                conn.client_id,
+                sub.topic_filter[:200],
+                error,
+            )
+            codes.append(suback_failure(conn.version, RC.TOPIC_FILTER_INVALID))
+            continue
+        if (
+            limits.max_subscriptions
+            and len(session.subscriptions) >= limits.max_subscriptions
+            and sub.topic_filter not in session.subscriptions
+        ):
+            core.stats.refused["max_subscriptions"] += 1
+            core.rlog.warning(
+                now,
+                peer_host(conn.peer),
+                "max_subscriptions",
+                "%s (%s): SUBSCRIBE %r refused: max_subscriptions = %d reached (0x97)",
+                conn.peer,
+                conn.client_id,
+                sub.topic_filter[:200],
+                limits.max_subscriptions,
+            )
+            codes.append(suback_failure(conn.version, RC.QUOTA_EXCEEDED))
+            continue
+        record = SubscriptionRecord(
+            session.client_id, inner, sub.qos, sub.no_local, sub.retain_as_published, sub.retain_handling, sub_id, group
+        )
+        existed = core.tree.add(record)
+        session.subscriptions[record.key] = record
+        if session.persistent:
+            core.store.subscription_saved(session.client_id, record)
+        codes.append(sub.qos)
+        # Retained messages on subscribe per Retain Handling; never for shared ones (MQTT 5.0 §3.8.4).
+        if group is None and (record.retain_handling == 0 or (record.retain_handling == 1 and not existed)):
+            retained.append(record)
+    pid = p.packet_id
+
+    def done() -> None:
+        if conn.state != CONNECTED:
+            return
+        send(core, conn, Suback(pid, codes))
+        for record in retained:
+            for message in core.retained.matching(record.topic_filter):
+                if message.expired(now):
+                    continue
+                # A retained message sent because of a new subscription has RETAIN=1 [MQTT-3.3.1-8].
+                ids = [record.sub_id] if record.sub_id is not None else []
+                deliver(core, session, message, min(message.qos, record.qos), True, ids, now)
+
+    core.store.when_durable(done)
+
+
+def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: float) -> None:
+    session = conn.session
+    assert session is not None
+    codes: list[int] = []
+    for topic_filter in p.topic_filters:
+        record = session.subscriptions.pop(topic_filter, None)
+        if record is None:
+            codes.append(RC.NO_SUBSCRIPTION_EXISTED)
+            continue
+        core.tree.remove(session.client_id, record.topic_filter, record.share_group)
+        if session.persistent:
+            core.store.subscription_deleted(session.client_id, topic_filter)
+        codes.append(RC.SUCCESS)
+    pid = p.packet_id
+    core.store.when_durable(lambda: send(core, conn, Unsuback(pid, codes)) if conn.state == CONNECTED else None)
