@@ -620,3 +620,18 @@ def test_connect_timeout_on_the_fake_clock() -> None:
     assert c.conn.state != CLOSED
     broker.tick(10.0)
     assert c.conn.state == CLOSED
+
+
+def test_seed000_a_long_puback_run_is_left_pending_so_the_io_layer_writes_between_parts() -> None:
+    broker, sub, pub = pair(ZoneLimits(max_inflight=32, max_mqueue_len=0))
+    publish_many(pub, [b"%d" % i for i in range(64)])
+    got = sub.publishes()
+    broker.receive(sub.conn, b"".join(PubAck(p.packet_id).encode(4) for p in got) + PingReq().encode(4), 1.0)
+    assert sub.conn.pending  # the first part handled; its refills are on conn.out, ready to be written
+    first = sub.read()
+    assert [p.payload for p in first] == [b"32", b"33", b"34", b"35", b"36", b"37", b"38", b"39"]
+    while sub.conn.pending:
+        broker.resume(sub.conn, 1.0)
+    rest = sub.read()
+    assert [p.payload for p in rest[:-1]] == [b"%d" % i for i in range(40, 64)]
+    assert rest[-1] == PingResp()  # the bytes after the run are handled after its last part, in order
