@@ -61,10 +61,11 @@ session_expiry_interval = "5 minutes"
 """
 
 _ALLOWED_LISTENER_KEYS = (
-    "await_rel_timeout, bind, connect_timeout, high_watermark, max_awaiting_rel, max_clientid_len, max_inflight, "
-    "max_keepalive, max_mqueue_bytes, max_mqueue_len, max_packet_size, max_subscriptions, max_topic_levels, "
-    "message_expiry_interval, mqueue_store_qos0, retry_interval, send_timeout, session_expiry_interval, "
-    "topic_alias_maximum, zone"
+    "await_rel_timeout, bind, cafile, capath, certfile, ciphers, connect_timeout, high_watermark, keyfile, "
+    "max_awaiting_rel, max_clientid_len, max_inflight, max_keepalive, max_mqueue_bytes, max_mqueue_len, "
+    "max_packet_size, max_subscriptions, max_topic_levels, message_expiry_interval, mqueue_store_qos0, "
+    "require_certificate, retry_interval, send_timeout, session_expiry_interval, tls_version, topic_alias_maximum, "
+    "use_identity_as_username, zone"
 )
 
 BAD_ERRORS = [

@@ -15,6 +15,13 @@ Layout (DESIGN.md §6)::
     bind = "127.0.0.1:1884"
     max_inflight = 128
 
+    [listeners.tls]             # TLS keys as in mosquitto.conf(5); certfile + keyfile make a listener TLS
+    bind = "0.0.0.0:8883"
+    certfile = "/etc/edge-gateway/tls/server.crt"
+    keyfile = "/etc/edge-gateway/tls/server.key"
+    cafile = "/etc/edge-gateway/tls/ca.crt"
+    require_certificate = true
+
 Durations, sizes and addresses are read by :mod:`gateway.values` (sizes in powers of 1024: "1MB" = 1 MiB).
 """
 
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gateway.auth.tls import TLS_VERSIONS, TlsConfigError, TlsSettings, build_server_context
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
 from gateway.store.lmdb_store import StoreSettings
 from gateway.values import ADDRESS_ALLOWED, ValueSpec, check_value, is_unix_path, parse_address
@@ -55,11 +63,13 @@ class ListenerConfig:
     Attributes:
         name: the table name under ``[listeners]``.
         bind: ``host:port`` (TCP) or an absolute path (Unix socket).
+        tls: the TLS keys when the listener is TLS (``certfile`` and ``keyfile`` given), else ``None``.
     """
 
     name: str
     bind: str
     limits: ZoneLimits
+    tls: TlsSettings | None = None
 
     @property
     def is_unix(self) -> bool:
@@ -108,7 +118,11 @@ _LIMIT_KEYS: dict[str, ValueSpec] = {
     "high_watermark": ("size", 4096, 2**31, 'a size of at least 4KB such as "1MB"'),
     "send_timeout": ("duration", 0, 86400, 'a duration such as "15s" (0 = never)'),
 }
-_LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS}
+# TLS keys of a listener, Mosquitto's names (mosquitto.conf(5)); gateway/auth/tls.py says what each does
+_TLS_PATH_KEYS = ("certfile", "keyfile", "cafile", "capath")
+_TLS_BOOL_KEYS = ("require_certificate", "use_identity_as_username")
+_TLS_KEYS = (*_TLS_PATH_KEYS, *_TLS_BOOL_KEYS, "tls_version", "ciphers")
+_LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS, *_TLS_KEYS}
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id", "max_sessions"}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
@@ -211,18 +225,66 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"{where}.{key}: unknown key; allowed: {', '.join(sorted(_LISTENER_KEYS))}")
             elif key == "bind":
                 bind = check_value(where, key, value, errors, _BIND)
-            elif key == "zone":
+            elif key in ("zone", *_TLS_KEYS):
                 continue
             else:
                 parsed = check_value(where, key, value, errors, _LIMIT_KEYS[key])
                 if parsed is not None:
                     setattr(limits, key, parsed)
+        tls = _load_tls(where, table, bind, errors)
         if bind is not None:
-            cfg.listeners.append(ListenerConfig(name, bind, limits))
+            cfg.listeners.append(ListenerConfig(name, bind, limits, tls))
     cfg.broker.zones = {lc.name: lc.limits for lc in cfg.listeners}
     if errors:
         raise ConfigError(errors, source)
     return cfg
+
+
+def _load_tls(where: str, table: dict[str, Any], bind: str | None, errors: list[str]) -> TlsSettings | None:
+    """The TLS keys of ``[listeners.<name>]`` (``where``) as :class:`TlsSettings`, or ``None`` when there are none.
+
+    Types first, then the context is built once (:func:`build_server_context`: files readable, PEM of the right
+    kind, key matches certificate, cipher list selects something), so a file that would fail at start fails here
+    and in ``edge-gateway check-config``. Each mistake appends ``where.key = 'value': reason``.
+    """
+    given = [key for key in _TLS_KEYS if key in table]
+    if not given:
+        return None
+    before = len(errors)
+    values: dict[str, Any] = {}
+    for key in given:
+        value = table[key]
+        if key in _TLS_BOOL_KEYS:
+            if not isinstance(value, bool):
+                errors.append(f"{where}.{key} = {value!r}: must be true or false")
+                continue
+        elif key == "tls_version":
+            if value not in TLS_VERSIONS:
+                errors.append(f"{where}.{key} = {value!r}: must be one of {', '.join(TLS_VERSIONS)} (the minimum)")
+                continue
+        elif not isinstance(value, str) or not value:
+            what = "an OpenSSL cipher list" if key == "ciphers" else "a file path" if key != "capath" else "a directory"
+            errors.append(f"{where}.{key} = {value!r}: must be {what}")
+            continue
+        values[key] = value
+    if bind is not None and is_unix_path(bind):
+        errors.append(f"{where}.{given[0]} = {table[given[0]]!r}: TLS is not available on a Unix socket listener "
+                      f"(bind = {bind!r}); use a TCP bind or drop the TLS keys")
+    for key in ("certfile", "keyfile"):
+        if key not in table:
+            errors.append(f"{where}.{key}: missing; a TLS listener needs certfile and keyfile (set because of "
+                          f"{', '.join(given)})")
+    if len(errors) > before:
+        return None
+    settings = TlsSettings(**values)
+    try:
+        build_server_context(settings)
+    except TlsConfigError as exc:
+        value = exc.path if exc.path is not None else getattr(settings, exc.key)
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)  # TOML's spelling of a bool
+        errors.append(f"{where}.{exc.key} = {shown}: {exc.reason}")
+        return None
+    return settings
 
 
 def _load_store(cfg: GatewayConfig, table: Any, errors: list[str]) -> None:

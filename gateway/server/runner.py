@@ -12,14 +12,16 @@ import logging
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from gateway.auth.tls import TlsConfigError, build_server_context
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.store import MemoryStore, SessionStore
 from gateway.server.config import GatewayConfig
 from gateway.server.notify import SystemdNotify, install_debug_hang
 from gateway.server.protocol import BrokerIO, MQTTProtocol
+from gateway.server.tls_accept import TlsListener
 from gateway.store.lmdb_store import LmdbStore
 
 if TYPE_CHECKING:
@@ -68,7 +70,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
 
         upstream = UpstreamBridge(config.upstreams, broker, io.schedule_flush)
         upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
-    servers: list[asyncio.base_events.Server] = []
+    servers: list[asyncio.AbstractServer] = []
     try:
         for listener in config.listeners:
             def factory(lc=listener) -> MQTTProtocol:  # type: ignore[no-untyped-def]
@@ -83,15 +85,24 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                     where = listener.bind
                 else:
                     host, port = listener.host_port()
-                    server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
-                    addr = server.sockets[0].getsockname()
+                    if listener.tls is not None:  # its own accept loop and handshake (gateway/server/tls_accept.py)
+                        tls = TlsListener(io, build_server_context(listener.tls), listener.name, listener.limits)
+                        sockets: Any = await tls.start(host, port)
+                        server = tls
+                    else:
+                        server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+                        sockets = server.sockets
+                    addr = sockets[0].getsockname()
                     where = f"{addr[0]}:{addr[1]}" if ":" not in addr[0] else f"[{addr[0]}]:{addr[1]}"
             except OSError as exc:
                 reason = exc.strerror or str(exc).rsplit(": ", 1)[-1]
                 raise BindError(f"cannot listen on {listener.bind} (listener {listener.name!r}): {reason}") from None
+            except TlsConfigError as exc:  # a file changed since the configuration was checked
+                raise BindError(f"cannot listen on {listener.bind} (listener {listener.name!r}): {exc}") from None
             servers.append(server)
-            log.info("listening on %s (listener %r, max_inflight=%d, max_mqueue_len=%d)", where, listener.name,
-                     listener.limits.max_inflight, listener.limits.max_mqueue_len)
+            log.info("listening on %s (listener %r, max_inflight=%d, max_mqueue_len=%d%s)", where, listener.name,
+                     listener.limits.max_inflight, listener.limits.max_mqueue_len,
+                     ", TLS" if listener.tls is not None else "")
     except BindError:
         for server in servers:
             server.close()
