@@ -14,8 +14,8 @@ The keys and their meaning follow ``mosquitto.conf(5)`` ("Certificate based SSL/
 - ``tls_version``: the *minimum* protocol version, ``tlsv1.3``, ``tlsv1.2`` (default) or ``tlsv1.1``.
 - ``ciphers``: an OpenSSL cipher list for TLS 1.2 and below; default: the :mod:`ssl` module's.
 
-Everything here is the standard library's :mod:`ssl`; the context is handed to asyncio's ``create_server(ssl=...)``
-by the glue, which also bounds the handshake by ``connect_timeout``.
+Everything here is the standard library's :mod:`ssl`; the glue (gateway/server/tls_accept.py) hands the context to
+``loop.connect_accepted_socket(ssl=...)`` and bounds the handshake by ``connect_timeout``.
 """
 
 from __future__ import annotations
