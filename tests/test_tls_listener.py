@@ -396,8 +396,7 @@ def test_the_verified_cn_reaches_the_connection_and_early_connect_is_kept(
             tls.close()
             await tls.wait_closed()
             for proto in list(io.open_connections):
-                if proto.conn is not None and proto.conn.transport is not None:
-                    proto.conn.transport.abort()
+                proto.transport.abort()
             await asyncio.sleep(0.05)
         return reply, cns
 
