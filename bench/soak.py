@@ -945,9 +945,39 @@ def _stuck(h: Hostile, sc: str, topic: str, qos: int, client_id: str, version: i
     return raw
 
 
+STUCK_HOLD = 20.0  # seconds a stuck subscriber stays stuck after its flood: past the default send_timeout (15 s)
+
+
+def _hold_and_check(h: Hostile, sc: str, stuck: list[Raw | None], hold: float) -> None:
+    """Keep the stuck subscribers stuck ``hold`` more seconds (less if the run stops), then read each for up to 2 s
+    to see whether the broker closed it meanwhile (``send_timeout``) or still has data for it."""
+    started = time.monotonic()
+    while not h.over(started + hold):
+        time.sleep(0.1)
+    held = time.monotonic() - started
+    for raw in stuck:
+        if raw is None:
+            continue
+        got, end = 0, time.monotonic() + 2
+        outcome = "still open, still sending after 2 s of reading"
+        try:
+            raw.sock.settimeout(0.5)
+            while time.monotonic() < end and got < 64 * MIB:
+                data = raw.sock.recv(1 << 20)
+                if not data:
+                    outcome = "closed by the broker"
+                    break
+                got += len(data)
+        except TimeoutError:
+            outcome = "still open, its buffered data read within 2 s" if got else "still open, nothing buffered"
+        except OSError as exc:
+            outcome = f"closed by the broker ({type(exc).__name__})"
+        h.count(sc, f"stuck subscriber {held:.0f} s after the flood: {outcome}")
+
+
 def sc_stuck_qos0(h: Hostile, sc: str, rng: random.Random, deadline: float, lane: int) -> None:
     """Two subscribers (``#`` and ``soak/flood/#``, QoS 0) stop reading while up to 150 QoS 0 messages of
-    100-900 kB are published (issue 13 item 2)."""
+    100-900 kB are published (issue 13 item 2), and stay stuck :data:`STUCK_HOLD` seconds more."""
     stuck = [_stuck(h, sc, "#", 0, f"soak-h-stuck0a-{lane}", 5),
              _stuck(h, sc, "soak/flood/#", 0, f"soak-h-stuck0b-{lane}", 4)]
     try:
@@ -956,9 +986,7 @@ def sc_stuck_qos0(h: Hostile, sc: str, rng: random.Random, deadline: float, lane
             h.flood_qos0(sc, pub, f"soak/flood/big/{lane}", lambda: rng.randint(100_000, 900_000), 150, 1,
                          deadline)
             h.bye(pub)
-        end = min(deadline, time.monotonic() + 3)
-        while not h.over(end):
-            time.sleep(0.1)
+        _hold_and_check(h, sc, stuck, STUCK_HOLD)
     finally:
         for raw in stuck:
             if raw is not None:
@@ -967,7 +995,7 @@ def sc_stuck_qos0(h: Hostile, sc: str, rng: random.Random, deadline: float, lane
 
 def sc_stuck_qos1(h: Hostile, sc: str, rng: random.Random, deadline: float, lane: int) -> None:
     """A persistent (5.0, Session Expiry 300 s) and a clean subscriber at QoS 1 stop reading while 100 QoS 1
-    messages of 100-900 kB are published."""
+    messages of 100-900 kB are published, and stay stuck :data:`STUCK_HOLD` seconds more."""
     stuck = [_stuck(h, sc, "soak/flood/#", 1, f"soak-h-stuck1a-{lane}", 5, clean=False, expiry=300),
              _stuck(h, sc, "#", 1, f"soak-h-stuck1b-{lane}", 4)]
     try:
@@ -977,6 +1005,7 @@ def sc_stuck_qos1(h: Hostile, sc: str, rng: random.Random, deadline: float, lane
             h.flood_qos1(sc, pub, f"soak/flood/big1/{lane}", lambda: rng.randint(100_000, 900_000), 100, 10,
                          deadline)
             h.bye(pub)
+        _hold_and_check(h, sc, stuck, STUCK_HOLD)
     finally:
         for raw in stuck:
             if raw is not None:
@@ -1449,7 +1478,8 @@ Examples:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), metavar="NAME,...",
                     help="the hostile scenarios to cycle through (default all: " + ", ".join(SCENARIOS) + ")")
     ap.add_argument("--scenario-seconds", type=float, default=20.0,
-                    help="longest a hostile scenario runs before the lane moves on (default 20)")
+                    help="longest a hostile scenario runs before the lane moves on (default 20; stuck subscribers "
+                         f"then stay stuck {STUCK_HOLD:.0f} s more)")
     ap.add_argument("--drain", type=float, default=120.0,
                     help="longest wait after the load for acknowledged messages to arrive, s (default 120)")
     ap.add_argument("--listener-set", action="append", default=[], metavar="'KEY = VALUE'",
