@@ -335,32 +335,35 @@ def test_hostile_tls_clients_are_closed_with_one_log_line_each_and_bystanders_lo
 # --- in process: the CN on the Connection, CONNECT in the segment of the client's Finished ----------------------
 
 
-def _finished_and_connect_in_one_segment(port: int, pki: dict[str, Issued], cert: Issued) -> bytes:
+def _finished_and_connect_in_one_segment(
+    port: int, pki: dict[str, Issued], cert: Issued
+) -> tuple[bytes, socket.socket]:
     """A TLS 1.3 client over memory BIOs: its Finished and an MQTT CONNECT leave in one ``sendall``, so the server
-    decrypts the CONNECT in the same read that completes its handshake. Returns the first decrypted reply."""
+    decrypts the CONNECT in the same read that completes its handshake. Returns the first decrypted reply and the
+    socket, still open (the caller closes it)."""
     ctx = ssl.create_default_context(cafile=str(pki["ca"].cert))
     ctx.load_cert_chain(str(cert.cert), str(cert.key))
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     obj = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        while True:
-            try:
-                obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                if outgoing.pending:
-                    sock.sendall(outgoing.read())
-                incoming.write(sock.recv(65536))
-        obj.write(CONNECT)
-        sock.sendall(outgoing.read())  # Finished + CONNECT
-        while True:
-            try:
-                return obj.read(4)
-            except ssl.SSLWantReadError:
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return b""
-                incoming.write(chunk)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    while True:
+        try:
+            obj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if outgoing.pending:
+                sock.sendall(outgoing.read())
+            incoming.write(sock.recv(65536))
+    obj.write(CONNECT)
+    sock.sendall(outgoing.read())  # Finished + CONNECT
+    while True:
+        try:
+            return obj.read(4), sock
+        except ssl.SSLWantReadError:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"", sock
+            incoming.write(chunk)
 
 
 def _new_loop(name: str) -> asyncio.AbstractEventLoop:
@@ -390,8 +393,11 @@ def test_the_verified_cn_reaches_the_connection_and_early_connect_is_kept(
         tls = TlsListener(io, build_server_context(settings), "mtls", ZoneLimits(connect_timeout=5.0))
         port = (await tls.start("127.0.0.1", 0))[0].getsockname()[1]
         try:
-            reply = await loop.run_in_executor(None, _finished_and_connect_in_one_segment, port, pki, pki["client"])
-            cns = [conn.cert_cn for conn in broker.connections]
+            reply, sock = await loop.run_in_executor(
+                None, _finished_and_connect_in_one_segment, port, pki, pki["client"]
+            )
+            cns = [conn.cert_cn for conn in broker.connections]  # the client is still connected
+            sock.close()
         finally:
             tls.close()
             await tls.wait_closed()
