@@ -236,8 +236,9 @@ class Supervisor:
             env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(self.broker_root))
             env.pop("JOURNAL_STREAM", None)  # keep the timestamped log format
             self.blog.mark(f"start {self.starts} (attempt {attempt + 1}) at {self.now():.1f} s")
+            # its own process group: a Ctrl-C in the terminal reaches the harness, which then stops the broker
             proc = subprocess.Popen(cmd, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True, errors="replace", env=env)
+                                    stderr=subprocess.PIPE, text=True, errors="replace", env=env, process_group=0)
             try:
                 port = read_gateway_port(_Starting(proc, self.blog.feed), timeout=60.0)  # type: ignore[arg-type]
             except BrokerError:
@@ -1296,6 +1297,8 @@ def summarize(args: argparse.Namespace, sup: Supervisor, pairs: list[NormalPair]
         failures.append(f"broker RSS reached {max_rss / 1024:.0f} MiB (bound {args.max_rss_mib} MiB)")
     if sup.fatal:
         failures.append(sup.fatal)
+    if timing.get("interrupted"):
+        failures.append(f"interrupted after {timing['end']:.0f} s (SIGINT or SIGTERM): the figures cover part of a run")
     if not any(r["acked"] for r in rows):
         failures.append("no normal message was acknowledged at all")
     attention = []
@@ -1503,8 +1506,13 @@ Examples:
     return args
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the run like Ctrl-C: everything started is stopped, the summary printed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%d %H:%M")
     workdir = Path(tempfile.mkdtemp(prefix="edge-gw-soak-"))
@@ -1580,6 +1588,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("interrupted: stopping everything")
         timing["end"] = time.monotonic() - t0
+        timing["interrupted"] = 1.0
     except BrokerError as exc:
         log(f"fatal: {exc}")
         if sup is not None and sup.fatal is None:
