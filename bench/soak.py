@@ -1425,7 +1425,7 @@ def render(s: dict[str, Any], max_rss_mib: int) -> str:
             out.append(f"| {label} | {outcome.replace('|', '/')} | {n} |")
             first = False
     if not s["hostile"]:
-        out.append("| (no result from the hostile process) | | |")
+        out.append("| (none: --lanes 0) | | |" if run["lanes"] == 0 else "| (no result from the hostile process) | | |")
     out += ["", "### Verdict", ""]
     if s["failures"]:
         out += [f"- FAIL: {f}" for f in s["failures"]]
