@@ -340,3 +340,54 @@ def test_mqtt_3_3_4_9_disconnect_0x93_is_read_by_a_client_still_writing(make_bro
     assert disconnects and disconnects[0].reason_code == 0x93, packets
     client.close()
     pair.finish()
+
+
+def rss_anon_mib(broker: BrokerProcess) -> float:
+    """The broker's anonymous resident memory, MiB (RssAnon: without LMDB's file-backed map)."""
+    assert broker.proc is not None
+    with open(f"/proc/{broker.proc.pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon")
+
+
+def test_abandoned_persistent_sessions_keep_their_queues_in_the_store(make_broker: MakeBroker, uid: str) -> None:
+    """Issue 13 (found by `make soak`): persistent sessions that subscribe and go away for good must not hold what
+    is queued for them in memory. An offline session keeps at most 16 entries in memory (``OFFLINE_MEM_LEN``) and
+    the rest wait only in the store, also after a restart; a session that comes back gets its whole queue, in order.
+    Before, every offline queue was held whole: 2,000 such sessions with 1,000 messages each took 515 MiB."""
+    broker = make_broker(CONFIG)
+    sessions, count = 300, 400
+    for i in range(sessions):
+        client = RawClient(broker.port, version=4)
+        client.connect(f"{uid}-gone{i}", clean_start=False)
+        client.send(Subscribe(1, [Subscription(f"{uid}/fleet", 1)]))
+        assert isinstance(client.recv(), Suback)
+        client.send(Disconnect())
+        client.close()
+    pair = QoS1Pair(broker.port, uid).start()
+    before = rss_anon_mib(broker)
+    publisher = RawClient(broker.port, version=4)
+    publisher.connect(f"{uid}-fleetpub")
+    for i in range(count):
+        publisher.send(Publish(f"{uid}/fleet", b"%06d" % i + b"r" * 94, 1, packet_id=i % 65535 + 1))
+        assert isinstance(publisher.recv(30), PubAck)
+    publisher.close()
+    pair.finish()
+    grown = rss_anon_mib(broker) - before
+    # Whole queues in memory: 300 x 400 entries at ~260 bytes each, about 30 MiB.
+    assert grown < 12, f"anonymous memory grew by {grown:.1f} MiB for {sessions * count} queued messages"
+    assert broker.stop() == 0
+    broker.start()
+    assert rss_anon_mib(broker) < before + 12
+    back = RawClient(broker.port, version=4)
+    assert back.connect(f"{uid}-gone7", clean_start=False).session_present
+    numbers = []
+    while len(numbers) < count:
+        packet = back.recv(10)
+        if isinstance(packet, Publish):
+            numbers.append(int(packet.payload[:6]))
+            back.send(PubAck(packet.packet_id))  # type: ignore[arg-type]
+    assert numbers == list(range(count))
+    back.close()

@@ -231,6 +231,8 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
             paging = core.store.pager(session.client_id)
             if paging is not None:
                 session.mqueue.enable_paging(*paging)
+        else:
+            session.mqueue.hold_in_memory(True)  # back online: drain in large batches again
     elif was_persistent:
         session.mqueue.page_in_all()  # its store rows go now; the queue lives on in memory
         core.store.session_deleted(session.client_id)

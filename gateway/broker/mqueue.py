@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gateway.broker")
 
+#: Entries an offline persistent session keeps in memory at most (the rest wait only in the store): abandoned
+#: sessions must not hold their queues in memory (issue 13: 2,000 offline sessions with 1,000 messages each took
+#: 515 MiB of anonymous memory when every queue was held whole). A session that comes back gets ``mem_len_online``.
+OFFLINE_MEM_LEN = 16
+
 #: The message of a stand-in Delivery for a paged QoS 0 entry dropped without reading it back.
 _PAGED_OUT = Message(0, "", b"", 0, False, {}, 0.0)
 #: Stands for an empty deque until the first entry (a deque costs ~760 bytes; most sessions never queue).
@@ -56,8 +61,8 @@ class MessageQueue:
     """
 
     __slots__ = ("_dead", "_gone", "_items", "_len", "_page_hi", "_page_lo", "_page_out_every", "_paged_bytes",
-                 "_paged_qos0", "_qos0", "_tail", "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len", "paged",
-                 "pager")
+                 "_paged_qos0", "_qos0", "_tail", "_tail_qos0", "bytes", "max_bytes", "max_len", "mem_len",
+                 "mem_len_online", "paged", "pager")
 
     def __init__(self, max_len: int = 1000, max_bytes: int = 0) -> None:
         self.max_len = max_len
@@ -69,6 +74,7 @@ class MessageQueue:
         self._dead = 0  # dropped entries still in the deques (removed lazily; compacted past a bound)
         self.pager: QueuePager | None = None
         self.mem_len = 0
+        self.mem_len_online = 0  # mem_len while the session is online (the store's mqueue_mem_len)
         self._page_out_every = 1
         self.paged = 0
         self._paged_bytes = 0
@@ -97,10 +103,20 @@ class MessageQueue:
         """Page entries beyond ``mem_len`` in memory through ``pager`` (``mem_len`` 0: no paging)."""
         if mem_len > 0:
             self.pager = pager
-            self.mem_len = mem_len
+            self.mem_len = self.mem_len_online = mem_len
             self._page_out_every = min(32, mem_len)
             if type(self._tail) is tuple:
                 self._tail, self._tail_qos0, self._paged_qos0 = deque(), deque(), deque()
+
+    def hold_in_memory(self, online: bool) -> None:
+        """Keep up to ``mem_len_online`` entries in memory while the session is online, at most
+        :data:`OFFLINE_MEM_LEN` while it is offline (entries already in memory stay until popped; later ones page
+        once committed). No effect without paging."""
+        if self.pager is None:
+            return
+        limit = self.mem_len_online if online else min(self.mem_len_online, OFFLINE_MEM_LEN)
+        self.mem_len = limit
+        self._page_out_every = min(32, limit)
 
     def push(self, delivery: Delivery) -> Delivery | None:
         """Append ``delivery``; return the entry dropped to make room, or ``None``.

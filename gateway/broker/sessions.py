@@ -51,6 +51,7 @@ def detach(core: BrokerState, conn: Connection, now: float, publish_will: bool) 
         return
     session.expires_at = None if session.expiry_interval == NEVER else now + session.expiry_interval
     core.offline.add(session)
+    session.mqueue.hold_in_memory(False)  # what arrives while it is away waits in the store, not in memory
     core.store.session_saved(session)  # the offline deadline survives a restart
     if will is not None and publish_will:
         if delay:

@@ -55,6 +55,7 @@ import lmdb
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
+from gateway.broker.mqueue import OFFLINE_MEM_LEN
 from gateway.broker.routing import SubscriptionRecord
 from gateway.broker.session import NEVER, Session
 from gateway.broker.store import LoadedState, OutboxRecord
@@ -367,6 +368,9 @@ class LmdbStore:
         expired_sessions: list[str] = []
         refs: dict[int, int] = {}
         mem_len = self.settings.mqueue_mem_len
+        online_mem_len = mem_len
+        if mem_len:
+            mem_len = min(mem_len, OFFLINE_MEM_LEN)  # every restored session is offline until it reconnects
         with self.env.begin() as txn:
             version = txn.get(b"format", db=meta)
         if version is not None and int(version) not in rec.FORMAT_VERSIONS:
@@ -394,7 +398,8 @@ class LmdbStore:
                 by_part[key] = session
                 if rec.is_hashed(key) and self._hashed_keys:
                     long_names[key] = cid
-                session.mqueue.enable_paging(LmdbPager(self, cid), mem_len)
+                session.mqueue.enable_paging(LmdbPager(self, cid), online_mem_len)
+                session.mqueue.hold_in_memory(False)
             cache: dict[int, Message | None] = {}
 
             def message(mid: int) -> Message | None:
