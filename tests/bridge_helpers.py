@@ -11,12 +11,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from helpers import wait_until
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
@@ -49,20 +49,6 @@ $PGRMF,290,293896,160305,093803,13,5213.1439,N,02100.6511,E,A,2,0,226,2,1*13
 $PGRMB,0.0,200,,,,K,,W,W*31
 $PGRMM,WGS 84*06
 """
-
-
-def wait_until(
-    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition", interval: float = 0.02
-) -> Any:
-    """Poll ``predicate`` until it returns something truthy; AssertionError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def free_port() -> int:

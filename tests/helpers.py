@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,22 @@ from gateway.mqtt.packets import Connack, Connect, Packet
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"listening on (\S+):(\d+) \(listener '([^']+)'")
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition", interval: float = 0.02
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy and return that; AssertionError naming ``what`` after
+    ``timeout`` seconds. For waiting on an event (a message arrived, a counter updated, a line logged) in place of
+    a fixed sleep; ``predicate`` may itself raise AssertionError to fail early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 class BrokerProcess:
