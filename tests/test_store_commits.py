@@ -47,7 +47,7 @@ def _turns(loop: asyncio.AbstractEventLoop, n: int = 20) -> None:
 def _queue_rows(store: LmdbStore) -> int:
     assert store.env is not None
     with store.env.begin() as txn:
-        return int(txn.stat(store.dbs[4])["entries"])
+        return int(txn.stat(store.tables.queue)["entries"])
 
 
 def test_changes_nobody_waits_for_share_a_later_commit(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:

@@ -32,6 +32,7 @@ from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, Suback, Su
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec
 from gateway.store.lmdb_store import _PUT, LmdbStore, StoreSettings
+from gateway.store.tables import DB_NAMES
 
 # max_clientid_len is raised so that the long Client Identifiers reach the store: the point here is that no name,
 # whatever the limits at the protocol edge, can poison a commit.
@@ -202,10 +203,11 @@ def _open(path: Path, **kw: Any) -> tuple[LmdbStore, Any]:
     return store, state  # no event loop attached: every change commits synchronously
 
 
-def _rows(store: LmdbStore, index: int) -> dict[bytes, bytes]:
+def _rows(store: LmdbStore, table: str) -> dict[bytes, bytes]:
+    """The rows of ``table`` (a name of ``tables.DB_NAMES``)."""
     assert store.env is not None
     with store.env.begin() as txn:
-        return {bytes(k): bytes(v) for k, v in txn.cursor(db=store.dbs[index])}
+        return {bytes(k): bytes(v) for k, v in txn.cursor(db=getattr(store.tables, table))}
 
 
 @pytest.mark.parametrize("mode", ["synchronous", "writer thread"])
@@ -236,7 +238,8 @@ def test_a_change_that_fails_alone_is_left_out_and_its_owners_reported_the_rest_
         for cid, delivery in deliveries.items():
             store.delivery_saved(cid, delivery)
         store.retained_saved(Message(2, "", b"no topic", 1, True, {}, 0.0, None, "careless"))
-        store._record((_PUT, 3, store._prefix(long_id) + b"f" * 600, b"\x01" * 8))  # no key builder makes this
+        # No key builder makes this one:
+        store._record((_PUT, store.tables.subs, store._prefix(long_id) + b"f" * 600, b"\x01" * 8))
         store.retained_saved(Message(3, "t/kept", b"kept", 1, True, {}, 0.0, None, "p"))
         if mode == "writer thread":
             store.when_durable(lambda: events.append("acknowledged"))
@@ -247,19 +250,19 @@ def test_a_change_that_fails_alone_is_left_out_and_its_owners_reported_the_rest_
             store._schedule()  # commits the batch in this thread, then runs the callback
         assert events == [("failed", ["careless", long_id]), "acknowledged"], events
         assert store.failed_changes == 2
-        sessions = _rows(store, 2)
+        sessions = _rows(store, "sessions")
         assert {rec.session_id(k, v)[0] for k, v in sessions.items()} == {"a", "b", long_id}
-        assert list(_rows(store, 3)) == [rec.client_prefix("a") + b"t/#"]
-        assert len(_rows(store, 4)) == 2 and sorted(_rows(store, 1)) == [rec.u64(1), rec.u64(3)]
-        assert list(_rows(store, 6)) == [b"t/kept"] and store._refs == {1: 2}
+        assert list(_rows(store, "subs")) == [rec.client_prefix("a") + b"t/#"]
+        assert len(_rows(store, "queue")) == 2 and sorted(_rows(store, "messages")) == [rec.u64(1), rec.u64(3)]
+        assert list(_rows(store, "retained")) == [b"t/kept"] and store._refs == {1: 2}
         assert not store.last_write_failed and store.has_room(None)
         # The reference counts are right: the shared message row goes with its last queue row.
         store.delivery_deleted("a", deliveries["a"])
         _settle(store, loop)
-        assert sorted(_rows(store, 1)) == [rec.u64(1), rec.u64(3)]
+        assert sorted(_rows(store, "messages")) == [rec.u64(1), rec.u64(3)]
         store.delivery_deleted("b", deliveries["b"])
         _settle(store, loop)
-        assert sorted(_rows(store, 1)) == [rec.u64(3)] and _rows(store, 4) == {}
+        assert sorted(_rows(store, "messages")) == [rec.u64(3)] and _rows(store, "queue") == {}
     finally:
         _settle(store, loop)
         store.close()
@@ -294,9 +297,9 @@ def test_keys_stay_within_lmdb_limits_and_long_names_load_in_full(tmp_path: Path
             store.inbound_saved(cid, 5, Message(20, FILTER_5000, b"qos2", 2, False, {}, 0.0, None, cid))
         store.retained_saved(Message(30, RETAINED_5000, b"kept", 1, True, {}, 0.0))
         store.when_durable(lambda: None)
-        keys = [k for index in range(2, 8) for k in _rows(store, index)]
+        keys = [k for table in DB_NAMES[2:] for k in _rows(store, table)]
         assert keys and max(map(len, keys)) <= 323 < MAX_KEY
-        assert len({k for k in _rows(store, 2)}) == 3
+        assert len({k for k in _rows(store, "sessions")}) == 3
     finally:
         store.close()
     store, state = _open(path)
@@ -323,7 +326,9 @@ def test_a_format_2_store_with_names_over_160_bytes_is_rewritten_to_format_3_and
     message = Message(5, topic, b"old", 1, True, {}, 0.0)
     session = Session(cid, ZoneLimits(), expiry_interval=NEVER)
     assert store.env is not None
-    meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db, _outbox = store.dbs
+    t = store.tables
+    meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db = (
+        t.meta, t.messages, t.sessions, t.subs, t.queue, t.inbound, t.retained)
     with store.env.begin(write=True) as txn:  # the rows as format 2 wrote them
         txn.put(b"format", b"2", db=meta)
         txn.put(b"next_mid", b"6", db=meta)
@@ -342,15 +347,16 @@ def test_a_format_2_store_with_names_over_160_bytes_is_rewritten_to_format_3_and
         assert loaded.client_id == cid and list(loaded.subscriptions) == [topic_filter]
         assert [d.message.payload for d in loaded.mqueue] == [b"old"] and list(loaded.awaiting_rel) == [9]
         assert [m.topic for m in state.retained] == [topic]
-        assert _rows(store, 0)[b"format"] == str(rec.FORMAT_VERSION).encode() == b"3"
-        for index in range(2, 7):
-            for key in _rows(store, index):
+        assert _rows(store, "meta")[b"format"] == str(rec.FORMAT_VERSION).encode() == b"3"
+        for table in ("sessions", "subs", "queue", "inbound", "retained"):
+            for key in _rows(store, table):
                 part, rest = rec.split_key(key)
-                assert len(part) <= rec.HASHED_LEN and (index != 3 or len(rest) <= rec.HASHED_LEN), (index, key[:40])
-        assert rec.name_key(cid) in _rows(store, 2)
+                assert len(part) <= rec.HASHED_LEN, (table, key[:40])
+                assert table != "subs" or len(rest) <= rec.HASHED_LEN, (table, key[:40])
+        assert rec.name_key(cid) in _rows(store, "sessions")
         store.session_deleted(cid)
         store.retained_deleted(topic)
         store.when_durable(lambda: None)
-        assert [len(_rows(store, index)) for index in range(1, 7)] == [0] * 6
+        assert [len(_rows(store, table)) for table in DB_NAMES[1:7]] == [0] * 6
     finally:
         store.close()

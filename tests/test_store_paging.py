@@ -117,7 +117,7 @@ class PagedSession:
         """(queue rows, message rows) in the store, committed."""
         assert self.store.env is not None
         with self.store.env.begin() as txn:
-            return (txn.stat(self.store.dbs[4])["entries"], txn.stat(self.store.dbs[1])["entries"])
+            return (txn.stat(self.store.tables.queue)["entries"], txn.stat(self.store.tables.messages)["entries"])
 
     def close(self) -> None:
         self.commit()
@@ -392,7 +392,7 @@ def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(
         assert paged.rows() == (1, 0)  # second's row, its message stored in it (records.inline_message)
         assert paged.store.env is not None
         with paged.store.env.begin() as txn:
-            (value,) = [bytes(v) for _k, v in txn.cursor(db=paged.store.dbs[4])]
+            (value,) = [bytes(v) for _k, v in txn.cursor(db=paged.store.tables.queue)]
         assert rec.decode_delivery(value)[1].packet_id == 2  # the send was patched into the row
     finally:
         paged.close()
@@ -447,10 +447,10 @@ def test_paged_row_without_its_message_is_forgotten_and_the_rest_drains(tmp_path
         (seq,) = [seq for seq, tag in paged.tags.items() if tag == 6]
         key = rec.client_prefix("sub") + rec.u64(seq)
         with paged.store.env.begin(write=True) as txn:
-            value = bytes(txn.get(key, db=paged.store.dbs[4]))
+            value = bytes(txn.get(key, db=paged.store.tables.queue))
             inline = rec.inline_message(value)
-            assert inline is not None and txn.get(rec.u64(6), db=paged.store.dbs[1]) is None
-            txn.put(key, value[:-len(inline)], db=paged.store.dbs[4])
+            assert inline is not None and txn.get(rec.u64(6), db=paged.store.tables.messages) is None
+            txn.put(key, value[:-len(inline)], db=paged.store.tables.queue)
         drained = []
         while paged.session.mqueue:
             drained.append(paged.pop()[0])
@@ -532,7 +532,7 @@ def test_paged_rows_missing_from_the_store_are_still_logged(tmp_path: Path, capl
         with paged.store.env.begin(write=True) as txn:
             for seq, tag in paged.tags.items():
                 if tag in (9, 10):
-                    assert txn.delete(rec.client_prefix("sub") + rec.u64(seq), db=paged.store.dbs[4])
+                    assert txn.delete(rec.client_prefix("sub") + rec.u64(seq), db=paged.store.tables.queue)
         drained = []
         while paged.session.mqueue.peek() is not None:  # pop() would raise IndexError once only 9, 10 are left
             drained.append(paged.pop()[0])

@@ -114,12 +114,12 @@ class Store:
         do not carry them, and the writer counts those references where there is more than one."""
         self.commit()
         assert self.store.env is not None
-        dbs = self.store.dbs
+        tables = self.store.tables
         queues: dict[str, list[int]] = {cid: [] for cid in SESSIONS}
         referenced: Counter[int] = Counter()
         with self.store.env.begin() as txn:
-            rows = {rec.from_u64(bytes(k)) for k, _ in txn.cursor(db=dbs[1])}
-            for key, value in txn.cursor(db=dbs[4]):
+            rows = {rec.from_u64(bytes(k)) for k, _ in txn.cursor(db=tables.messages)}
+            for key, value in txn.cursor(db=tables.queue):
                 cid, _ = rec.split_client_key(bytes(key))
                 mid = rec.from_u64(bytes(value))
                 queues[cid].append(mid)
@@ -128,7 +128,7 @@ class Store:
                     referenced[mid] += 1
                 else:
                     assert rec.decode_message(mid, inline).payload == b"%d" % mid
-            retained = {bytes(k).decode(): rec.from_u64(bytes(v)) for k, v in txn.cursor(db=dbs[6])}
+            retained = {bytes(k).decode(): rec.from_u64(bytes(v)) for k, v in txn.cursor(db=tables.retained)}
         referenced.update(retained.values())
         assert queues == {cid: [d.message.mid for d in q] for cid, q in self.queues.items()}
         assert retained == {topic: m.mid for topic, m in self.retained.items()}
@@ -208,7 +208,7 @@ def test_a_version_1_store_reads_the_same_and_is_marked_the_current_version(tmp_
     assert store.env is not None
     message = Message(7, "t/old", b"old", 1, False, {}, 0.0)
     with store.env.begin(write=True) as txn:
-        meta, messages, _s, _subs, queue_db, *_ = store.dbs
+        meta, messages, queue_db = store.tables.meta, store.tables.messages, store.tables.queue
         txn.put(b"format", b"1", db=meta)
         txn.put(b"next_mid", b"8", db=meta)
         txn.put(rec.u64(7), rec.encode_message(message), db=messages)
@@ -221,10 +221,11 @@ def test_a_version_1_store_reads_the_same_and_is_marked_the_current_version(tmp_
         assert [(d.message.topic, d.message.payload) for d in queued] == [("t/old", b"old")]
         assert model.store.env is not None
         with model.store.env.begin() as txn:
-            assert txn.get(b"format", db=model.store.dbs[0]) == str(rec.FORMAT_VERSION).encode()
+            assert txn.get(b"format", db=model.store.tables.meta) == str(rec.FORMAT_VERSION).encode()
         model.store.delivery_deleted("a", queued[0])
         model.commit()
         with model.store.env.begin() as txn:
-            assert txn.stat(model.store.dbs[1])["entries"] == 0 and txn.stat(model.store.dbs[4])["entries"] == 0
+            tables = model.store.tables
+            assert txn.stat(tables.messages)["entries"] == 0 and txn.stat(tables.queue)["entries"] == 0
     finally:
         model.close()

@@ -62,10 +62,10 @@ from gateway.broker.session import NEVER, Session
 from gateway.broker.store import LoadedState, OutboxRecord
 from gateway.mqtt.primitives import encode_string
 from gateway.store import records as rec
+from gateway.store.tables import DB_NAMES, Tables
 
 log = logging.getLogger("gateway.store")
 
-DB_NAMES = ("meta", "messages", "sessions", "subs", "queue", "inbound", "retained", "outbox")  # append only
 _INITIAL_MAP = 32 * 1024 * 1024
 _HEADROOM_FRACTION = 0.05
 _AHEAD = 4 * 1024 * 1024  # written space kept past LMDB's last page (see LmdbStore._preallocate)
@@ -96,18 +96,20 @@ def _per_change(exc: BaseException) -> bool:
     return isinstance(exc, Exception) and not isinstance(exc, _BATCH_ERRORS) and type(exc) is not lmdb.Error
 
 
-_OP_DBS = {_Q_PUT: 4, _Q_DEL: 4, _Q_SENT: 4, _IN_PUT: 5, _IN_DEL: 5, _RET_PUT: 6, _RET_DEL: 6, _OB_PUT: 7, _OB_DEL: 7}
+#: The table each operation but _PUT, _DEL and _SESS_DEL changes (those carry their table, or several).
+_OP_TABLES = {_Q_PUT: "queue", _Q_DEL: "queue", _Q_SENT: "queue", _IN_PUT: "inbound", _IN_DEL: "inbound",
+              _RET_PUT: "retained", _RET_DEL: "retained", _OB_PUT: "outbox", _OB_DEL: "outbox"}
 
 
-def _describe(op: tuple[Any, ...]) -> str:
-    """A change for a log line: its database and key (the first 200 bytes)."""
+def _describe(op: tuple[Any, ...], tables: Tables) -> str:
+    """A change for a log line: its table and key (the first 200 bytes)."""
     kind = op[0]
     if kind in (_PUT, _DEL):
-        db, key = DB_NAMES[op[1]], op[2]
+        db, key = tables.name_of(op[1]), op[2]
     elif kind == _SESS_DEL:
         return f"removal of session {op[1][:200]!r}"
     else:
-        db, key = DB_NAMES[_OP_DBS[kind]], op[1]
+        db, key = _OP_TABLES[kind], op[1]
     shown = bytes(key[:200]) if isinstance(key, bytes | bytearray | memoryview) else key
     return f"{'delete from' if kind in (_DEL, _Q_DEL, _IN_DEL, _RET_DEL, _OB_DEL) else 'write to'} {db}, key of " \
         f"{len(key)} bytes {shown!r}"
@@ -210,7 +212,7 @@ class LmdbPager:
         prefix = self.prefix
         start = len(prefix)
         out: list[Delivery] = []
-        _meta, messages, _s, _subs, queue_db, *_ = store.dbs
+        messages, queue_db = store.tables.messages, store.tables.queue
         with store.map_lock, store.env.begin() as txn:
             cursor = txn.cursor(db=queue_db)
             if not cursor.set_range(prefix + rec.u64(after + 1)):
@@ -242,7 +244,7 @@ class LmdbStore:
         self.path = Path(settings.path)
         self.limits_for = limits_for
         self.env: lmdb.Environment | None = None
-        self.dbs: list[Any] = []
+        self.tables: Tables  # set when the environment is opened (_open_env)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_callbacks_done: Callable[[], None] | None = None
         #: Called on the loop with a client id and the seqs of its queue rows that a commit did not write (it
@@ -301,6 +303,12 @@ class LmdbStore:
         self.quarantined: str | None = None
         self.closed = False
 
+    @property
+    def dbs(self) -> tuple[Any, ...]:
+        """The table handles in ``DB_NAMES`` order, the positional form ``bench/durable_cpu.py`` reads (``dbs[4]``:
+        queue, ``dbs[1]``: messages). Code of the store names its table instead (``tables.queue``)."""
+        return tuple(self.tables)
+
     # ------------------------------------------------------------------------------------------ opening
 
     def _open_env(self) -> None:
@@ -309,7 +317,7 @@ class LmdbStore:
         self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 1, subdir=True,
                              sync=True, metasync=True, lock=True, readahead=False)
         self.map_size = map_size
-        self.dbs = [self.env.open_db(name.encode()) for name in DB_NAMES]
+        self.tables = Tables.open(self.env)
         self._file_end = self._data_file_size()
         self._page_size = self.env.stat()["psize"]
 
@@ -374,7 +382,9 @@ class LmdbStore:
 
     def _read_all(self, now: float, cleanup: bool = True) -> LoadedState:
         assert self.env is not None
-        meta, messages, sessions_db, subs_db, queue_db, inbound_db, retained_db, outbox_db = self.dbs
+        t = self.tables
+        meta, messages, sessions_db, subs_db, queue_db = t.meta, t.messages, t.sessions, t.subs, t.queue
+        inbound_db, retained_db, outbox_db = t.inbound, t.retained, t.outbox
         state = LoadedState()
         sessions: dict[str, Session] = {}
         expired_sessions: list[str] = []
@@ -548,7 +558,9 @@ class LmdbStore:
         gets that part in the hashed form (``records.name_key``), with the full name in the value where format 3
         keeps it (sessions, subscriptions). One write transaction; rows with short names stay as they are."""
         assert self.env is not None
-        meta, _messages, sessions_db, subs_db, queue_db, inbound_db, retained_db, outbox_db = self.dbs
+        t = self.tables
+        meta, sessions_db, subs_db, queue_db = t.meta, t.sessions, t.subs, t.queue
+        inbound_db, retained_db, outbox_db = t.inbound, t.retained, t.outbox
         limit = rec.NAME_MAX
         moved = 0
         txn = self.env.begin(write=True)
@@ -595,7 +607,8 @@ class LmdbStore:
                      rec.FORMAT_VERSION)
 
     def _delete_session_rows(self, txn: Any, cid: str) -> None:
-        _meta, _messages, sessions_db, subs_db, queue_db, inbound_db, _ret, _outbox = self.dbs
+        t = self.tables
+        sessions_db, subs_db, queue_db, inbound_db = t.sessions, t.subs, t.queue, t.inbound
         txn.delete(rec.name_key(cid), db=sessions_db)
         prefix = rec.client_prefix(cid)
         for db in (subs_db, queue_db, inbound_db):
@@ -630,7 +643,7 @@ class LmdbStore:
         count = refs.get(mid)
         if count is None:
             # One reference or none: the message row tells (a put that finds it reports False).
-            if mid != self._last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.dbs[1],
+            if mid != self._last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.tables.messages,
                                                      overwrite=False):
                 self._last_put_mid = mid
                 return
@@ -642,7 +655,7 @@ class LmdbStore:
         refs = self._refs
         count = refs.get(mid)
         if count is None:
-            txn.delete(rec.u64(mid), db=self.dbs[1])
+            txn.delete(rec.u64(mid), db=self.tables.messages)
             if mid == self._last_put_mid:
                 self._last_put_mid = 0
             return
@@ -657,7 +670,8 @@ class LmdbStore:
         written with one ``putmulti`` per database, before the next operation of any other kind: such a
         message has no row and no count yet; a repeat of the last one (fan-out to several sessions) counts
         a reference."""
-        dbs = self.dbs
+        tables = self.tables
+        queue_db, inbound_db, retained_db, outbox_db = tables.queue, tables.inbound, tables.retained, tables.outbox
         run: list[tuple[int, bytes, bytes, bytes]] = []  # queue rows of new messages: (mid, record, key, value)
         for op in ops:
             kind = op[0]
@@ -671,43 +685,43 @@ class LmdbStore:
                 if run:
                     self._put_new(txn, run)
                 self._ref(txn, message)
-                txn.put(key, value, db=dbs[4])
+                txn.put(key, value, db=queue_db)
                 continue
             if run:
                 self._put_new(txn, run)
             if kind == _Q_DEL:
-                value = txn.pop(op[1], db=dbs[4])
+                value = txn.pop(op[1], db=queue_db)
                 if value is not None and not rec.carries_message(value):
                     self._unref(txn, rec.from_u64(value))
             elif kind == _Q_SENT:
                 _, key, packet_id, state = op
-                value = txn.get(key, db=dbs[4])
+                value = txn.get(key, db=queue_db)
                 if value is not None:
-                    txn.put(key, rec.patch_delivery(value, packet_id, state), db=dbs[4])
+                    txn.put(key, rec.patch_delivery(value, packet_id, state), db=queue_db)
             elif kind == _PUT:
-                txn.put(op[2], op[3], db=dbs[op[1]])
+                txn.put(op[2], op[3], db=op[1])
             elif kind == _DEL:
-                txn.delete(op[2], db=dbs[op[1]])
+                txn.delete(op[2], db=op[1])
             elif kind == _IN_PUT:
                 _, key, value, message = op
-                old = txn.get(key, db=dbs[5])
+                old = txn.get(key, db=inbound_db)
                 if old is not None:
                     self._unref(txn, rec.from_u64(bytes(old)))
                 self._ref(txn, message)
-                txn.put(key, value, db=dbs[5])
+                txn.put(key, value, db=inbound_db)
             elif kind == _IN_DEL:
-                value = txn.pop(op[1], db=dbs[5])
+                value = txn.pop(op[1], db=inbound_db)
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
             elif kind == _RET_PUT:
                 _, key, message = op
-                old = txn.get(key, db=dbs[6])
+                old = txn.get(key, db=retained_db)
                 if old is not None:
                     self._unref(txn, rec.from_u64(bytes(old)))
                 self._ref(txn, message)
-                txn.put(key, rec.u64(message.mid), db=dbs[6])
+                txn.put(key, rec.u64(message.mid), db=retained_db)
             elif kind == _RET_DEL:
-                value = txn.pop(op[1], db=dbs[6])
+                value = txn.pop(op[1], db=retained_db)
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
             elif kind == _SESS_DEL:
@@ -715,9 +729,9 @@ class LmdbStore:
             elif kind == _OB_PUT:
                 _, key, value, message = op
                 self._ref(txn, message)
-                txn.put(key, value, db=dbs[7])
+                txn.put(key, value, db=outbox_db)
             elif kind == _OB_DEL:
-                value = txn.pop(op[1], db=dbs[7])
+                value = txn.pop(op[1], db=outbox_db)
                 if value is not None:
                     self._unref(txn, rec.from_u64(value))
         if run:
@@ -747,8 +761,8 @@ class LmdbStore:
             else:
                 rows.append((key, value + record))
         if messages:
-            txn.cursor(db=self.dbs[1]).putmulti(messages)
-        txn.cursor(db=self.dbs[4]).putmulti(rows)
+            txn.cursor(db=self.tables.messages).putmulti(messages)
+        txn.cursor(db=self.tables.queue).putmulti(rows)
         # _ref's shortcut ("the last message row put has one reference") must not take an inline message for
         # one with a row: a later reference to it then writes its row.
         self._last_put_mid = 0
@@ -781,8 +795,9 @@ class LmdbStore:
             ops = [op for batch in batches for op in batch[0]]
             if len(batches) > 1:
                 ops = _drop_superseded(ops)  # within one batch, a deleted delivery's send was never recorded
-            ops.append((_PUT, 0, b"next_mid", str(batches[-1][1]).encode()))
-            ops.append((_PUT, 0, b"next_seq", str(batches[-1][2]).encode()))
+            meta = self.tables.meta
+            ops.append((_PUT, meta, b"next_mid", str(batches[-1][1]).encode()))
+            ops.append((_PUT, meta, b"next_seq", str(batches[-1][2]).encode()))
             ok = self._commit(ops)
             self._report_unwritten(ops if not ok else [op for op, _exc in self._skipped])
             owners = self._take_skipped()
@@ -833,7 +848,7 @@ class LmdbStore:
         ``_PROBE_FREE`` bytes free, commit one tiny write; when it succeeds, new work is taken again."""
         if _disk_free(self.path) < _PROBE_FREE:
             return
-        if self._commit([(_PUT, 0, b"format", str(rec.FORMAT_VERSION).encode())]):
+        if self._commit([(_PUT, self.tables.meta, b"format", str(rec.FORMAT_VERSION).encode())]):
             log.warning("store: writes succeed again (%d bytes used of max_size %d); taking QoS 1/2 messages again",
                         self.used_bytes, self.settings.max_size)
 
@@ -938,7 +953,7 @@ class LmdbStore:
         self.failed_changes += len(skipped)
         for op, exc in skipped:
             log.critical("store: a change was left out of a commit, the rest of its batch committed: %s (%s: %s)",
-                         _describe(op), type(exc).__name__, exc)
+                         _describe(op, self.tables), type(exc).__name__, exc)
 
     def _take_skipped(self) -> tuple[set[bytes], set[str]] | None:
         """The owners of the changes the last commit left out, or None: key parts of their client ids (resolved on
@@ -948,12 +963,13 @@ class LmdbStore:
             return None
         parts: set[bytes] = set()
         names: set[str] = set()
+        sessions_db, subs_db = self.tables.sessions, self.tables.subs
         for op, _exc in skipped:
             kind = op[0]
             if kind in (_PUT, _DEL):
-                if op[1] == 2:
+                if op[1] is sessions_db:
                     parts.add(op[2])
-                elif op[1] == 3:
+                elif op[1] is subs_db:
                     parts.add(rec.split_key(op[2])[0])
             elif kind in (_Q_PUT, _Q_DEL, _Q_SENT, _IN_PUT, _IN_DEL):
                 parts.add(rec.split_key(op[1])[0])
@@ -1025,7 +1041,7 @@ class LmdbStore:
         assert self.env is not None
         used = 0
         with self.env.begin() as txn:
-            for db in self.dbs:
+            for db in self.tables:
                 s = txn.stat(db)
                 used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
         self.used_bytes = used
@@ -1142,17 +1158,17 @@ class LmdbStore:
 
     def session_saved(self, session: Session) -> None:
         key = self._prefix(session.client_id)[:-1]
-        self._record((_PUT, 2, key, rec.session_row(session, key)))
+        self._record((_PUT, self.tables.sessions, key, rec.session_row(session, key)))
 
     def session_deleted(self, client_id: str) -> None:
         self._record((_SESS_DEL, client_id))
 
     def subscription_saved(self, client_id: str, record: SubscriptionRecord) -> None:
         part = rec.name_key(record.key)
-        self._record((_PUT, 3, self._prefix(client_id) + part, rec.encode_subscription(record, part)))
+        self._record((_PUT, self.tables.subs, self._prefix(client_id) + part, rec.encode_subscription(record, part)))
 
     def subscription_deleted(self, client_id: str, key: str) -> None:
-        self._record((_DEL, 3, self._prefix(client_id) + rec.name_key(key)))
+        self._record((_DEL, self.tables.subs, self._prefix(client_id) + rec.name_key(key)))
 
     def _prefix(self, client_id: str) -> bytes:
         """The key prefix of ``client_id``'s rows (``records.client_prefix``), cached; a hashed one is remembered
@@ -1334,15 +1350,15 @@ class LmdbStore:
         oldest = None
         with self.env.begin() as txn:
             used = 0
-            for name, db in zip(DB_NAMES, self.dbs, strict=True):
+            for name, db in self.tables.items():
                 s = txn.stat(db)
                 out[f"{name}_entries"] = s["entries"]
                 used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
             out["used_bytes"] = used
             names = {bytes(k): rec.session_id(bytes(k), bytes(v), self._hashed_keys)[0]
-                     for k, v in txn.cursor(db=self.dbs[2])}  # key part -> client id
+                     for k, v in txn.cursor(db=self.tables.sessions)}  # key part -> client id
             inline_count = 0
-            for key, value in txn.cursor(db=self.dbs[4]):
+            for key, value in txn.cursor(db=self.tables.queue):
                 part, _ = rec.split_key(bytes(key))
                 cid = names.get(part) or part.decode("utf-8", "replace")
                 depths[cid] = depths.get(cid, 0) + 1
@@ -1352,7 +1368,7 @@ class LmdbStore:
                 if raw is not None:
                     inline_count += 1
                 else:
-                    raw = txn.get(rec.u64(mid), db=self.dbs[1])
+                    raw = txn.get(rec.u64(mid), db=self.tables.messages)
                 if raw is not None:
                     received = rec.decode_message(mid, bytes(raw)).received_at
                     oldest = received if oldest is None else min(oldest, received)

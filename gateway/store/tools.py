@@ -13,7 +13,8 @@ from typing import TextIO
 
 import lmdb
 
-from gateway.store.lmdb_store import DB_NAMES, LmdbStore, StoreSettings
+from gateway.store.lmdb_store import LmdbStore, StoreSettings
+from gateway.store.tables import DB_NAMES
 
 
 def _open(settings: StoreSettings) -> LmdbStore:
