@@ -5,11 +5,9 @@ Queue, which is bounded by ``max_mqueue_len`` and ``max_mqueue_bytes`` and drops
 
 from __future__ import annotations
 
-import time
+from helpers import BrokerProcess, RawClient, wait_until
 
-from helpers import BrokerProcess, RawClient
-
-from gateway.mqtt.packets import PubAck, Publish, Subscribe, Subscription
+from gateway.mqtt.packets import PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
 
 CONFIG = """
 [broker]
@@ -21,18 +19,34 @@ max_mqueue_len = 100
 
 
 def _sys_value(port: int, name: str) -> int:
+    """The retained value of ``$SYS/broker/<name>``; 0 while it has none (a drop counter is first published after
+    its first drop). The SUBACK comes once the subscription is in place and the retained message right behind it;
+    a PINGRESP after that proves there was none."""
     watcher = RawClient(port, version=5)
     try:
         watcher.connect("watcher")
         watcher.send(Subscribe(1, [Subscription(f"$SYS/broker/{name}", 0)]))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            packet = watcher.recv(5)
+        suback = watcher.recv()
+        assert isinstance(suback, Suback), suback
+        watcher.send(PingReq())
+        value = 0
+        while not isinstance(packet := watcher.recv(), PingResp):
             if isinstance(packet, Publish):
-                return int(packet.payload)
-        raise AssertionError(f"no $SYS/broker/{name}")
+                value = int(packet.payload)
+        return value
     finally:
         watcher.close()
+
+
+def _wait_sys(port: int, name: str, expected: int, timeout: float = 5.0) -> None:
+    """Wait until ``$SYS/broker/<name>`` (published every sys_interval) reaches ``expected``; fail at once past it."""
+
+    def reached() -> bool:
+        value = _sys_value(port, name)
+        assert value <= expected, f"$SYS/broker/{name} = {value}, more than {expected}"
+        return value == expected
+
+    wait_until(reached, timeout, f"$SYS/broker/{name} == {expected}", interval=0.1)
 
 
 def test_slow_qos0_subscriber_past_high_watermark_gets_qos0_dropped(make_broker) -> None:  # type: ignore[no-untyped-def]
@@ -52,14 +66,8 @@ def test_slow_qos0_subscriber_past_high_watermark_gets_qos0_dropped(make_broker)
     for _ in range(total // 100):
         publisher.send(batch)
     # The broker still answers while the subscriber is stuck, and counts the drops.
-    deadline = time.monotonic() + 10
-    dropped = 0
-    while time.monotonic() < deadline and not dropped:
-        try:
-            dropped = _sys_value(broker.port, "messages/dropped/high_watermark_qos0")
-        except TimeoutError:
-            pass  # not counted yet: no retained value until the first drop
-    assert dropped > 0
+    wait_until(lambda: _sys_value(broker.port, "messages/dropped/high_watermark_qos0") > 0, 10,
+               "$SYS/broker/messages/dropped/high_watermark_qos0 > 0", interval=0.1)
     # Now the subscriber reads what the broker still holds for it: socket buffers plus at most 100 queued.
     received = 0
     try:
@@ -69,10 +77,9 @@ def test_slow_qos0_subscriber_past_high_watermark_gets_qos0_dropped(make_broker)
                 received += 1
     except TimeoutError:
         pass
-    time.sleep(1.2)  # one $SYS interval, so the counter is current
-    dropped = _sys_value(broker.port, "messages/dropped/high_watermark_qos0")
-    assert received + dropped == total
     assert 0 < received < total
+    # Every message was delivered or counted: the counter (published every sys_interval) reaches the rest.
+    _wait_sys(broker.port, "messages/dropped/high_watermark_qos0", total - received)
     publisher.close()
     slow.close()
 
@@ -110,7 +117,6 @@ max_mqueue_bytes = "10KB"
     except TimeoutError:
         pass
     assert got == list(range(40, 50))  # 10 KB = the newest ten 1 KB messages, in order
-    time.sleep(1.2)
-    assert _sys_value(broker.port, "messages/dropped/mqueue_quota") == 40
+    _wait_sys(broker.port, "messages/dropped/mqueue_quota", 40)
     publisher.close()
     sub.close()
