@@ -25,18 +25,22 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+) \(listener '([^']+)'")
 
 
 def wait_until(
-    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition", interval: float = 0.02
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    what: str | Callable[[], str] = "condition",
+    interval: float = 0.02,
 ) -> Any:
-    """Poll ``predicate`` until it returns something truthy and return that; AssertionError naming ``what`` after
-    ``timeout`` seconds. For waiting on an event (a message arrived, a counter updated, a line logged) in place of
-    a fixed sleep; ``predicate`` may itself raise AssertionError to fail early."""
+    """Poll ``predicate`` until it returns something truthy and return that; AssertionError naming ``what`` (or
+    what ``what()`` says then, e.g. with a log) after ``timeout`` seconds. For waiting on an event (a message
+    arrived, a counter updated, a line logged) in place of a fixed sleep; ``predicate`` may itself raise
+    AssertionError to fail early."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what if isinstance(what, str) else what()}")
         time.sleep(interval)
 
 

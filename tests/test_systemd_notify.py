@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import BrokerProcess, RawClient
+from helpers import BrokerProcess, RawClient, wait_until
 
 from gateway.mqtt.packets import PubAck, Publish, Suback, Subscribe, Subscription
 
@@ -124,10 +124,7 @@ def largest_gap(times: list[float]) -> tuple[float, int]:
 
 
 def wait_log(proc: BrokerProcess, text: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in proc.log():
-        assert time.monotonic() < deadline, f"{text!r} not logged:\n{proc.log()}"
-        time.sleep(0.02)
+    wait_until(lambda: text in proc.log(), timeout, lambda: f"{text!r} in the log:\n{proc.log()}")
 
 
 def test_sd_notify_ready_status_watchdog_stopping_sequence(
@@ -205,8 +202,7 @@ def test_sd_notify_watchdog_pings_stop_while_store_writer_is_stuck(
     notify_socket.wait_for(lambda t: pings(t) >= 2)
     assert proc.proc is not None
     proc.proc.send_signal(signal.SIGUSR2)
-    wait_log(proc, "debug: hanging the store writer")
-    time.sleep(0.1)  # the lock-holding thread starts right after that line
+    wait_log(proc, "debug: store write lock held")
     hang_from = time.monotonic()
     pub = RawClient(proc.port, version=5, timeout=10)
     try:

@@ -221,6 +221,7 @@ def install_debug_hang(
     def hang_store() -> None:
         assert store is not None and store.env is not None
         with store.env.begin(write=True):
+            log.warning("debug: store write lock held")
             time.sleep(duration)
 
     def trigger() -> None:
