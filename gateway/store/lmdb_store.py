@@ -62,6 +62,18 @@ from gateway.broker.session import NEVER, Session
 from gateway.broker.store import LoadedState, OutboxRecord
 from gateway.mqtt.primitives import encode_string
 from gateway.store import records as rec
+from gateway.store.loading import (
+    Expired,
+    Loading,
+    load_inbound,
+    load_orphan_messages,
+    load_outbox,
+    load_queue,
+    load_retained,
+    load_sessions,
+    load_subscriptions,
+    remove_expired,
+)
 from gateway.store.tables import DB_NAMES, Tables
 
 log = logging.getLogger("gateway.store")
@@ -381,20 +393,14 @@ class LmdbStore:
         return state
 
     def _read_all(self, now: float, cleanup: bool = True) -> LoadedState:
+        """Read every table back (one loader per table, :mod:`gateway.store.loading`, in one read transaction) and,
+        with ``cleanup``, remove what expired while the broker was down (:meth:`_remove_expired`). A format 1/2
+        store is rewritten to format 3 first (with ``cleanup``; the tools read it as it is)."""
         assert self.env is not None
-        t = self.tables
-        meta, messages, sessions_db, subs_db, queue_db = t.meta, t.messages, t.sessions, t.subs, t.queue
-        inbound_db, retained_db, outbox_db = t.inbound, t.retained, t.outbox
-        state = LoadedState()
-        sessions: dict[str, Session] = {}
-        expired_sessions: list[str] = []
-        refs: dict[int, int] = {}
+        tables = self.tables
         mem_len = self.settings.mqueue_mem_len
-        online_mem_len = mem_len
-        if mem_len:
-            mem_len = min(mem_len, OFFLINE_MEM_LEN)  # every restored session is offline until it reconnects
         with self.env.begin() as txn:
-            version = txn.get(b"format", db=meta)
+            version = txn.get(b"format", db=tables.meta)
         if version is not None and int(version) not in rec.FORMAT_VERSIONS:
             raise ValueError(f"unknown store format {version!r}")
         # Format 1 and 2 stores (or none marked) have names as they are in keys, which may be longer than
@@ -403,142 +409,38 @@ class LmdbStore:
         if not self._hashed_keys and cleanup:
             self._upgrade_names()
             self._hashed_keys = True
-        long_names = self._long_names
-        by_part: dict[bytes, Session] = {}  # sessions by their key (the key part of their other rows)
         with self.env.begin() as txn:
-            next_mid = txn.get(b"next_mid", db=meta)
-            next_seq = txn.get(b"next_seq", db=meta)
-            for key, value in txn.cursor(db=sessions_db):
-                key = bytes(key)
-                cid, data = rec.session_id(key, bytes(value), self._hashed_keys)
-                session = Session(cid, self.limits_for())
-                rec.decode_session_into(session, data)
-                if session.expires_at is not None and now >= session.expires_at:
-                    expired_sessions.append(cid)
-                    continue
-                sessions[cid] = session
-                by_part[key] = session
-                if rec.is_hashed(key) and self._hashed_keys:
-                    long_names[key] = cid
-                session.mqueue.enable_paging(LmdbPager(self, cid), online_mem_len)
-                session.mqueue.hold_in_memory(False)
-            cache: dict[int, Message | None] = {}
-
-            def message(mid: int) -> Message | None:
-                if mid not in cache:
-                    raw = txn.get(rec.u64(mid), db=messages)
-                    cache[mid] = rec.decode_message(mid, bytes(raw)) if raw is not None else None
-                return cache[mid]
-
-            for key, value in txn.cursor(db=subs_db):
-                part, rest = rec.split_key(bytes(key))
-                session = by_part.get(part)
-                if session is not None:
-                    value = bytes(value)
-                    record = rec.decode_subscription(session.client_id, rec.subscription_key(rest, value), value)
-                    session.subscriptions[record.key] = record
-            expired_rows: list[bytes] = []
-            for key, value in txn.cursor(db=queue_db):
-                part, rest = rec.split_key(bytes(key))
-                session = by_part.get(part)
-                if session is None:
-                    expired_rows.append(bytes(key))
-                    continue
-                value = bytes(value)
-                mid, delivery = rec.decode_delivery(value)
-                inline = rec.inline_message(value)  # stored in this row: not a reference to a message row
-                mqueue = session.mqueue
-                if not delivery.packet_id and (mqueue.paged or (mem_len and len(mqueue) >= mem_len)):
-                    # Beyond the in-memory part of the queue: account it, leave it in the store.
-                    raw = inline if inline is not None else txn.get(rec.u64(mid), db=messages)
-                    if raw is None or (delivery.expires_at is not None and now >= delivery.expires_at):
-                        expired_rows.append(bytes(key))
-                        continue
-                    mqueue.add_paged(rec.from_u64(rest), delivery.qos, rec.payload_length(raw))
-                    if inline is None:
-                        refs[mid] = refs.get(mid, 0) + 1
-                    continue
-                msg = message(mid) if inline is None else rec.decode_message(mid, inline)
-                if msg is None or (delivery.expires_at is not None and now >= delivery.expires_at
-                                   and not delivery.packet_id):
-                    expired_rows.append(bytes(key))
-                    continue
-                delivery.message = msg
-                delivery.seq = rec.from_u64(rest)
-                if inline is None:
-                    refs[mid] = refs.get(mid, 0) + 1
-                if delivery.packet_id:
-                    session.inflight[delivery.packet_id] = delivery
-                    session.next_packet_id = delivery.packet_id % 65535 + 1
-                else:
-                    session.mqueue.push(delivery)
-            expired_inbound: list[bytes] = []
-            for key, value in txn.cursor(db=inbound_db):
-                part, rest = rec.split_key(bytes(key))
-                session = by_part.get(part)
-                mid, received_at = rec.decode_inbound(bytes(value))
-                msg = message(mid)
-                if session is None or msg is None:
-                    expired_inbound.append(bytes(key))
-                    continue
-                session.awaiting_rel[int.from_bytes(rest, "big")] = (msg, received_at)
-                refs[mid] = refs.get(mid, 0) + 1
-            expired_retained: list[bytes] = []
-            for key, value in txn.cursor(db=retained_db):
-                mid = rec.from_u64(bytes(value))
-                msg = message(mid)
-                if msg is None or msg.expired(now):
-                    expired_retained.append(bytes(key))
-                    continue
-                state.retained.append(msg)
-                refs[mid] = refs.get(mid, 0) + 1
-            outbox: dict[bytes, list[OutboxRecord]] = {}
-            orphan_outbox: list[bytes] = []
-            for key, value in txn.cursor(db=outbox_db):
-                link, rest = rec.split_key(bytes(key))
-                mid, qos, topic = rec.decode_outbox(bytes(value))
-                msg = message(mid)
-                if msg is None:
-                    orphan_outbox.append(bytes(key))
-                    continue
-                outbox.setdefault(link, []).append(OutboxRecord(rec.from_u64(rest), msg, qos, topic))
-                refs[mid] = refs.get(mid, 0) + 1
-            orphans = [bytes(k) for k, _ in txn.cursor(db=messages) if rec.from_u64(bytes(k)) not in refs]
-            cursor = txn.cursor(db=messages)
-            top = rec.from_u64(bytes(cursor.key())) if cursor.last() else 0
-        self._refs = {mid: count for mid, count in refs.items() if count > 1}
-        self._outbox_loaded = outbox
+            # Every restored session is offline until it reconnects: it keeps at most OFFLINE_MEM_LEN in memory.
+            ld = Loading(txn, tables, now, min(mem_len, OFFLINE_MEM_LEN) if mem_len else 0, mem_len)
+            next_mid = txn.get(b"next_mid", db=tables.meta)
+            next_seq = txn.get(b"next_seq", db=tables.meta)
+            load_sessions(ld, self._hashed_keys, self.limits_for, lambda cid: LmdbPager(self, cid), self._long_names)
+            load_subscriptions(ld)
+            load_queue(ld)
+            load_inbound(ld)
+            load_retained(ld)
+            self._outbox_loaded = load_outbox(ld)
+            top = load_orphan_messages(ld)
+        self._refs = {mid: count for mid, count in ld.refs.items() if count > 1}
         self._seq = int(next_seq) if next_seq is not None else 1
         self.committed_seq = self._seq - 1
+        state = ld.loaded()
         state.next_mid = int(next_mid) if next_mid is not None else 1
         self._top_mid = max(top, state.next_mid - 1)
-        state.sessions = list(sessions.values())
-        self.expired_on_load = len(expired_sessions), len(expired_rows) + len(expired_retained)
+        expired = ld.expired
+        self.expired_on_load = len(expired.sessions), expired.messages_count
         if not cleanup:
             return state
-        # Remove what expired while the broker was down, and what nothing references.
+        self._remove_expired(expired)
+        self._update_used()
+        return state
+
+    def _remove_expired(self, expired: Expired) -> None:
+        """Remove what expired while the broker was down, and what nothing references (``expired``, found by the
+        loaders); a full disk leaves it for a later start (it is not loaded) and refuses new work (``has_room``)."""
+        assert self.env is not None
         try:
-            with self.env.begin(write=True) as txn:
-                txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=meta)
-                for cid in expired_sessions:
-                    # Their queue and inbound rows are in the lists below (no session to attach them to).
-                    txn.delete(rec.name_key(cid), db=sessions_db)
-                    cursor = txn.cursor(db=subs_db)
-                    prefix = rec.client_prefix(cid)
-                    if cursor.set_range(prefix):
-                        while cursor.key().startswith(prefix) and cursor.delete():
-                            pass
-                    cursor.close()
-                for key in expired_rows:
-                    txn.delete(key, db=queue_db)
-                for key in expired_inbound:
-                    txn.delete(key, db=inbound_db)
-                for key in expired_retained:
-                    txn.delete(key, db=retained_db)
-                for key in orphan_outbox:
-                    txn.delete(key, db=outbox_db)
-                for key in orphans:
-                    txn.delete(key, db=messages)
+            remove_expired(self.env, self.tables, expired)
         except lmdb.Error as exc:
             if not _no_room(exc, self.path):
                 raise
@@ -547,11 +449,9 @@ class LmdbStore:
             log.error("store: no room to remove what expired while the broker was down (%s); kept until a later "
                       "start, and new QoS 1/2 messages are refused until a write succeeds", exc)
         else:
-            if expired_sessions or expired_rows or expired_retained:
-                log.info("store: removed %d expired sessions and %d expired messages on start", len(expired_sessions),
-                         len(expired_rows) + len(expired_retained))
-        self._update_used()
-        return state
+            if expired.sessions or expired.queue or expired.retained:
+                log.info("store: removed %d expired sessions and %d expired messages on start", len(expired.sessions),
+                         expired.messages_count)
 
     def _upgrade_names(self) -> None:
         """Rewrite a format 1/2 store to format 3: every key whose name part is longer than ``records.NAME_MAX``

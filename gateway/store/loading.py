@@ -1,0 +1,249 @@
+"""Reading the LMDB store back on start: one loader per table, and the transaction that removes what expired while
+the broker was down (DESIGN.md §4; the record formats are in :mod:`gateway.store.records`).
+
+The loaders run in this order in one read transaction, sharing a :class:`Loading`: sessions first (the other
+tables' rows are matched to their session by the key part, :func:`~gateway.store.records.split_key`), then
+subscriptions, queue, inbound, retained and outbox rows, each counting the message references it finds; last the
+message rows nothing references (orphans). What expired, or belongs to nothing, is collected in
+:class:`Expired` and removed afterwards by :func:`remove_expired` (one write transaction), unless the store is
+only looked at (``store stats|inspect``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb
+
+from gateway.broker.limits import ZoneLimits
+from gateway.broker.message import Message
+from gateway.broker.pager import QueuePager
+from gateway.broker.session import Session
+from gateway.broker.store import LoadedState, OutboxRecord
+from gateway.store import records as rec
+from gateway.store.tables import Tables
+
+
+@dataclass(slots=True)
+class Expired:
+    """What loading found expired or unreferenced, to remove (:func:`remove_expired`).
+
+    Attributes:
+        sessions: client ids of expired sessions (their subscriptions go with them; their queue and inbound rows,
+            having no session to attach to, are in ``queue`` and ``inbound``).
+        queue: keys of queue rows of no live session, expired, or whose message is missing.
+        inbound: keys of inbound rows of no live session or whose message is missing.
+        retained: keys of retained rows whose message is missing or expired.
+        outbox: keys of outbox rows whose message is missing.
+        messages: keys of message rows nothing references.
+    """
+
+    sessions: list[str] = field(default_factory=list)
+    queue: list[bytes] = field(default_factory=list)
+    inbound: list[bytes] = field(default_factory=list)
+    retained: list[bytes] = field(default_factory=list)
+    outbox: list[bytes] = field(default_factory=list)
+    messages: list[bytes] = field(default_factory=list)
+
+    @property
+    def messages_count(self) -> int:
+        """Expired messages as reported on start: queue rows and retained messages removed."""
+        return len(self.queue) + len(self.retained)
+
+
+@dataclass(slots=True)
+class Loading:
+    """The state the loaders share while the store is read back (one read transaction).
+
+    Attributes:
+        txn: the read transaction.
+        tables: the store's tables.
+        now: the wall-clock time, seconds since the epoch (expiry is decided against it).
+        mem_len: queued messages of a restored session kept in memory (it is offline until it reconnects:
+            ``StoreSettings.mqueue_mem_len``, at most ``mqueue.OFFLINE_MEM_LEN``; 0: all).
+        online_mem_len: the same once the session is online again (``StoreSettings.mqueue_mem_len``).
+        state: what the broker gets back (retained messages are added to it; sessions, from ``sessions``, by
+            :meth:`loaded`).
+        sessions: live sessions by client id.
+        by_part: live sessions by their key (the key part of their other rows).
+        refs: references found to each message row, by mid (queue rows carrying their message count none).
+        expired: what to remove afterwards.
+    """
+
+    txn: Any
+    tables: Tables
+    now: float
+    mem_len: int
+    online_mem_len: int
+    state: LoadedState = field(default_factory=LoadedState)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    by_part: dict[bytes, Session] = field(default_factory=dict)
+    refs: dict[int, int] = field(default_factory=dict)
+    expired: Expired = field(default_factory=Expired)
+    _cache: dict[int, Message | None] = field(default_factory=dict)
+
+    def message(self, mid: int) -> Message | None:
+        """The message row ``mid`` decoded (once), or None when it is missing."""
+        cache = self._cache
+        if mid not in cache:
+            raw = self.txn.get(rec.u64(mid), db=self.tables.messages)
+            cache[mid] = rec.decode_message(mid, bytes(raw)) if raw is not None else None
+        return cache[mid]
+
+    def ref(self, mid: int) -> None:
+        """Count one reference to the message row ``mid``."""
+        self.refs[mid] = self.refs.get(mid, 0) + 1
+
+    def loaded(self) -> LoadedState:
+        """``state`` with the live sessions in it."""
+        self.state.sessions = list(self.sessions.values())
+        return self.state
+
+
+def load_sessions(ld: Loading, hashed_keys: bool, limits_for: Callable[[], ZoneLimits],
+                  pager_for: Callable[[str], QueuePager], long_names: dict[bytes, str]) -> None:
+    """Sessions: live ones into ``ld.sessions`` and ``ld.by_part`` (their Message Queue paging through
+    ``pager_for(client id)``), expired ones into ``ld.expired``. ``hashed_keys``: the store is of format 3 (keys
+    may hold hashed names, whose client ids are remembered in ``long_names``)."""
+    for key, value in ld.txn.cursor(db=ld.tables.sessions):
+        key = bytes(key)
+        cid, data = rec.session_id(key, bytes(value), hashed_keys)
+        session = Session(cid, limits_for())
+        rec.decode_session_into(session, data)
+        if session.expires_at is not None and ld.now >= session.expires_at:
+            ld.expired.sessions.append(cid)
+            continue
+        ld.sessions[cid] = session
+        ld.by_part[key] = session
+        if rec.is_hashed(key) and hashed_keys:
+            long_names[key] = cid
+        session.mqueue.enable_paging(pager_for(cid), ld.online_mem_len)
+        session.mqueue.hold_in_memory(False)
+
+
+def load_subscriptions(ld: Loading) -> None:
+    """Subscriptions into their sessions; those of sessions not loaded are left (removed with their session)."""
+    for key, value in ld.txn.cursor(db=ld.tables.subs):
+        part, rest = rec.split_key(bytes(key))
+        session = ld.by_part.get(part)
+        if session is not None:
+            value = bytes(value)
+            record = rec.decode_subscription(session.client_id, rec.subscription_key(rest, value), value)
+            session.subscriptions[record.key] = record
+
+
+def load_queue(ld: Loading) -> None:
+    """Queue rows: inflight ones into their session's Inflight Window, the rest into its Message Queue; beyond
+    ``ld.mem_len`` entries in memory a row is only accounted (paged) and stays in the store. Rows of no live
+    session, expired, or whose message is missing go to ``ld.expired``."""
+    txn, messages, now, mem_len = ld.txn, ld.tables.messages, ld.now, ld.mem_len
+    expired = ld.expired.queue
+    for key, value in txn.cursor(db=ld.tables.queue):
+        part, rest = rec.split_key(bytes(key))
+        session = ld.by_part.get(part)
+        if session is None:
+            expired.append(bytes(key))
+            continue
+        value = bytes(value)
+        mid, delivery = rec.decode_delivery(value)
+        inline = rec.inline_message(value)  # stored in this row: not a reference to a message row
+        mqueue = session.mqueue
+        if not delivery.packet_id and (mqueue.paged or (mem_len and len(mqueue) >= mem_len)):
+            # Beyond the in-memory part of the queue: account it, leave it in the store.
+            raw = inline if inline is not None else txn.get(rec.u64(mid), db=messages)
+            if raw is None or (delivery.expires_at is not None and now >= delivery.expires_at):
+                expired.append(bytes(key))
+                continue
+            mqueue.add_paged(rec.from_u64(rest), delivery.qos, rec.payload_length(raw))
+            if inline is None:
+                ld.ref(mid)
+            continue
+        msg = ld.message(mid) if inline is None else rec.decode_message(mid, inline)
+        if msg is None or (delivery.expires_at is not None and now >= delivery.expires_at and not delivery.packet_id):
+            expired.append(bytes(key))
+            continue
+        delivery.message = msg
+        delivery.seq = rec.from_u64(rest)
+        if inline is None:
+            ld.ref(mid)
+        if delivery.packet_id:
+            session.inflight[delivery.packet_id] = delivery
+            session.next_packet_id = delivery.packet_id % 65535 + 1
+        else:
+            session.mqueue.push(delivery)
+
+
+def load_inbound(ld: Loading) -> None:
+    """Inbound QoS 2 rows (awaiting PUBREL) into their sessions; rows of no live session or whose message is
+    missing go to ``ld.expired``."""
+    for key, value in ld.txn.cursor(db=ld.tables.inbound):
+        part, rest = rec.split_key(bytes(key))
+        session = ld.by_part.get(part)
+        mid, received_at = rec.decode_inbound(bytes(value))
+        msg = ld.message(mid)
+        if session is None or msg is None:
+            ld.expired.inbound.append(bytes(key))
+            continue
+        session.awaiting_rel[int.from_bytes(rest, "big")] = (msg, received_at)
+        ld.ref(mid)
+
+
+def load_retained(ld: Loading) -> None:
+    """Retained messages into ``ld.state.retained``; missing or expired ones go to ``ld.expired``."""
+    for key, value in ld.txn.cursor(db=ld.tables.retained):
+        mid = rec.from_u64(bytes(value))
+        msg = ld.message(mid)
+        if msg is None or msg.expired(ld.now):
+            ld.expired.retained.append(bytes(key))
+            continue
+        ld.state.retained.append(msg)
+        ld.ref(mid)
+
+
+def load_outbox(ld: Loading) -> dict[bytes, list[OutboxRecord]]:
+    """Upstream outbox rows, by the link's key part (``records.name_key``), in order; rows whose message is
+    missing go to ``ld.expired``."""
+    outbox: dict[bytes, list[OutboxRecord]] = {}
+    for key, value in ld.txn.cursor(db=ld.tables.outbox):
+        link, rest = rec.split_key(bytes(key))
+        mid, qos, topic = rec.decode_outbox(bytes(value))
+        msg = ld.message(mid)
+        if msg is None:
+            ld.expired.outbox.append(bytes(key))
+            continue
+        outbox.setdefault(link, []).append(OutboxRecord(rec.from_u64(rest), msg, qos, topic))
+        ld.ref(mid)
+    return outbox
+
+
+def load_orphan_messages(ld: Loading) -> int:
+    """Message rows that no row loaded before references go to ``ld.expired``; returns the highest mid of any
+    message row (0: none)."""
+    refs = ld.refs
+    ld.expired.messages = [bytes(k) for k, _ in ld.txn.cursor(db=ld.tables.messages)
+                           if rec.from_u64(bytes(k)) not in refs]
+    cursor = ld.txn.cursor(db=ld.tables.messages)
+    return rec.from_u64(bytes(cursor.key())) if cursor.last() else 0
+
+
+def remove_expired(env: lmdb.Environment, tables: Tables, expired: Expired) -> None:
+    """Remove in one write transaction what loading found expired or unreferenced (``expired``), and mark the store
+    as of the current format (``records.FORMAT_VERSION``). Raises ``lmdb.Error`` as LMDB does (a full disk too)."""
+    with env.begin(write=True) as txn:
+        txn.put(b"format", str(rec.FORMAT_VERSION).encode(), db=tables.meta)
+        for cid in expired.sessions:
+            # Their queue and inbound rows are in the lists below (no session to attach them to).
+            txn.delete(rec.name_key(cid), db=tables.sessions)
+            cursor = txn.cursor(db=tables.subs)
+            prefix = rec.client_prefix(cid)
+            if cursor.set_range(prefix):
+                while cursor.key().startswith(prefix) and cursor.delete():
+                    pass
+            cursor.close()
+        for keys, db in ((expired.queue, tables.queue), (expired.inbound, tables.inbound),
+                         (expired.retained, tables.retained), (expired.outbox, tables.outbox),
+                         (expired.messages, tables.messages)):
+            for key in keys:
+                txn.delete(key, db=db)
