@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from gateway import __version__
 from gateway.auth import passwd_cli
-from gateway.server.config import DEFAULT_BIND, ConfigError, read_config
+from gateway.server.config import DEFAULT_BIND, ConfigError, GatewayConfig, read_config
 
 EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): systemd units can refuse to restart on it
 EXIT_BIND = 1
@@ -82,15 +82,22 @@ def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None
     return uvloop.new_event_loop
 
 
+def _read_config(path: str | None) -> GatewayConfig | None:
+    """The configuration at ``path``, or None once every error in it is printed (the caller exits 78)."""
+    try:
+        return read_config(path)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
+        return None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.runner import BindError, serve
     from gateway.store.lmdb_store import StoreError
 
-    try:
-        config = read_config(args.config)
-    except ConfigError as exc:
-        for line in exc.errors:
-            print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
+    config = _read_config(args.config)
+    if config is None:
         return EXIT_CONFIG
     _setup_logging(args.log_level or config.log_level)
     try:
@@ -132,11 +139,8 @@ def _cmd_store(args: argparse.Namespace) -> int:
     from gateway.store import tools
     from gateway.store.lmdb_store import StoreError
 
-    try:
-        config = read_config(args.config)
-    except ConfigError as exc:
-        for line in exc.errors:
-            print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
+    config = _read_config(args.config)
+    if config is None:
         return EXIT_CONFIG
     try:
         if args.action == "stats":
