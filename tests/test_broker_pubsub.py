@@ -1087,7 +1087,7 @@ def test_mqtt_3_3_2_5_retained_message_not_sent_after_expiry(raw: Open, uid: str
     assert early.subscribe(topic) == [2]
     [msg] = early.publishes(1)
     assert (msg.payload, msg.retain, msg.properties[P.MESSAGE_EXPIRY_INTERVAL]) == (b"short", True, 1)
-    time.sleep(max(0.0, published + 1.2 - time.monotonic()))
+    time.sleep(max(0.0, published + 1.2 - time.monotonic()))  # stays: the 1 s expiry must pass (it is tested)
     late = raw(f"{uid}-late")
     assert late.subscribe(topic, marker) == [2, 2]
     pub.publish(marker, b"m")
@@ -1107,7 +1107,7 @@ def test_mqtt_3_3_2_5_queued_message_dropped_after_expiry(raw: Open, uid: str) -
     # QoS 1 PUBACK 0x00 (not 0x10): the offline session's subscription matched.
     assert pub.publish(topic, b"expires", qos=1, props={P.MESSAGE_EXPIRY_INTERVAL: 1}) == 0
     assert pub.publish(topic, b"stays", qos=1) == 0
-    time.sleep(max(0.0, published + 1.2 - time.monotonic()))
+    time.sleep(max(0.0, published + 1.2 - time.monotonic()))  # stays: the 1 s expiry must pass (it is tested)
     again = raw(cid, clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 0})
     [msg] = again.publishes(1)
     assert msg.payload == b"stays"
@@ -1131,7 +1131,7 @@ def test_mqtt_3_3_2_6_message_expiry_interval_decremented_by_time_held(raw: Open
     before = time.monotonic()
     pub.publish(topic, b"held", qos=1, props={P.MESSAGE_EXPIRY_INTERVAL: 10})
     acked = time.monotonic()
-    time.sleep(max(0.0, acked + 2.0 - time.monotonic()))
+    time.sleep(max(0.0, acked + 2.0 - time.monotonic()))  # stays: the time held is what the interval must lose
     reconnect = time.monotonic()
     again = raw(cid, clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 0})
     [held] = again.publishes(1)
