@@ -59,6 +59,15 @@ def _frame(first_byte: int, body: bytes) -> bytes:
     return bytes((first_byte,)) + encode_vbi(n) + body
 
 
+def _id_and_properties(packet_id: int, properties: Properties, version: int) -> bytearray:
+    """The variable header of SUBSCRIBE, SUBACK, UNSUBSCRIBE and UNSUBACK: the Packet Identifier, then (5.0 only)
+    the properties."""
+    body = bytearray(packet_id.to_bytes(2, "big"))
+    if version == MQTT_5:
+        body += encode_properties(properties)
+    return body
+
+
 @dataclass(slots=True)
 class Will:
     """The Will Message carried in a CONNECT (MQTT 5.0 §3.1.2.5, §3.1.3.2-3.1.3.4)."""
@@ -243,9 +252,7 @@ class Subscribe:
     properties: Properties = field(default_factory=dict)
 
     def encode(self, version: int) -> bytes:
-        body = bytearray(self.packet_id.to_bytes(2, "big"))
-        if version == MQTT_5:
-            body += encode_properties(self.properties)
+        body = _id_and_properties(self.packet_id, self.properties, version)
         for sub in self.subscriptions:
             body += encode_string(sub.topic_filter)
             body.append(sub.options_byte(version))
@@ -262,9 +269,8 @@ class Suback:
     properties: Properties = field(default_factory=dict)
 
     def encode(self, version: int) -> bytes:
-        body = bytearray(self.packet_id.to_bytes(2, "big"))
+        body = _id_and_properties(self.packet_id, self.properties, version)
         if version == MQTT_5:
-            body += encode_properties(self.properties)
             body += bytes(self.reason_codes)
         else:
             body += bytes(c if c < 0x80 else SUBACK_FAILURE_311 for c in self.reason_codes)
@@ -281,9 +287,7 @@ class Unsubscribe:
     properties: Properties = field(default_factory=dict)
 
     def encode(self, version: int) -> bytes:
-        body = bytearray(self.packet_id.to_bytes(2, "big"))
-        if version == MQTT_5:
-            body += encode_properties(self.properties)
+        body = _id_and_properties(self.packet_id, self.properties, version)
         for topic_filter in self.topic_filters:
             body += encode_string(topic_filter)
         return _frame(0xA2, bytes(body))
@@ -299,9 +303,8 @@ class Unsuback:
     properties: Properties = field(default_factory=dict)
 
     def encode(self, version: int) -> bytes:
-        body = bytearray(self.packet_id.to_bytes(2, "big"))
+        body = _id_and_properties(self.packet_id, self.properties, version)
         if version == MQTT_5:
-            body += encode_properties(self.properties)
             body += bytes(self.reason_codes)
         return _frame(0xB0, bytes(body))
 
@@ -505,13 +508,22 @@ def _decode_ack(cls: type[_Ack], body: bytes, version: int) -> _Ack:
     return cls(packet_id, reason, props)
 
 
-def _decode_subscribe(body: bytes, version: int) -> Subscribe:
+def _decode_id_and_properties(
+    body: bytes, version: int, packet_type: int, nonzero_id: bool = False
+) -> tuple[int, Properties, int]:
+    """The variable header of SUBSCRIBE, SUBACK, UNSUBSCRIBE and UNSUBACK (see :func:`_id_and_properties`):
+    ``(packet_id, properties, position after them)``; ``nonzero_id`` refuses Packet Identifier 0 [MQTT-2.2.1-3]."""
     packet_id, pos = decode_u16(body, 0)
-    if not packet_id:
-        raise MalformedPacket("SUBSCRIBE with Packet Identifier 0 [MQTT-2.2.1-3]")
+    if nonzero_id and not packet_id:
+        raise MalformedPacket(f"{PACKET_NAMES[packet_type]} with Packet Identifier 0 [MQTT-2.2.1-3]")
     props: Properties = {}
     if version == MQTT_5:
-        props, pos = decode_properties(body, pos, SUBSCRIBE)
+        props, pos = decode_properties(body, pos, packet_type)
+    return packet_id, props, pos
+
+
+def _decode_subscribe(body: bytes, version: int) -> Subscribe:
+    packet_id, props, pos = _decode_id_and_properties(body, version, SUBSCRIBE, nonzero_id=True)
     subs: list[Subscription] = []
     end = len(body)
     while pos < end:
@@ -543,20 +555,12 @@ def _decode_subscribe(body: bytes, version: int) -> Subscribe:
 
 
 def _decode_suback(body: bytes, version: int) -> Suback:
-    packet_id, pos = decode_u16(body, 0)
-    props: Properties = {}
-    if version == MQTT_5:
-        props, pos = decode_properties(body, pos, SUBACK)
+    packet_id, props, pos = _decode_id_and_properties(body, version, SUBACK)
     return Suback(packet_id, list(body[pos:]), props)
 
 
 def _decode_unsubscribe(body: bytes, version: int) -> Unsubscribe:
-    packet_id, pos = decode_u16(body, 0)
-    if not packet_id:
-        raise MalformedPacket("UNSUBSCRIBE with Packet Identifier 0 [MQTT-2.2.1-3]")
-    props: Properties = {}
-    if version == MQTT_5:
-        props, pos = decode_properties(body, pos, UNSUBSCRIBE)
+    packet_id, props, pos = _decode_id_and_properties(body, version, UNSUBSCRIBE, nonzero_id=True)
     filters: list[str] = []
     while pos < len(body):
         topic_filter, pos = decode_string(body, pos)
@@ -569,11 +573,10 @@ def _decode_unsubscribe(body: bytes, version: int) -> Unsubscribe:
 
 
 def _decode_unsuback(body: bytes, version: int) -> Unsuback:
-    packet_id, pos = decode_u16(body, 0)
+    packet_id, props, pos = _decode_id_and_properties(body, version, UNSUBACK)
     if version != MQTT_5:
         _check_end(pos, body)
         return Unsuback(packet_id)
-    props, pos = decode_properties(body, pos, UNSUBACK)
     return Unsuback(packet_id, list(body[pos:]), props)
 
 
