@@ -91,21 +91,35 @@ def encode_binary(value: bytes) -> bytes:
     Raises:
         ValueError: longer than 65,535 bytes.
     """
-    if len(value) > 0xFFFF:
-        raise ValueError(f"Binary Data is limited to 65535 bytes, got {len(value)}")
-    return _U16.pack(len(value)) + value
+    return _encode_prefixed(value, "Binary Data")
+
+
+def _encode_prefixed(data: bytes, name: str) -> bytes:
+    """``data`` after its 2-byte length, the wire form of Binary Data and UTF-8 Encoded Strings (``name``).
+
+    Raises:
+        ValueError: longer than 65,535 bytes.
+    """
+    if len(data) > 0xFFFF:
+        raise ValueError(f"{name} is limited to 65535 bytes, got {len(data)}")
+    return _U16.pack(len(data)) + data
+
+
+def _decode_prefixed(buf: bytes | memoryview, pos: int, name: str) -> tuple[bytes, int]:
+    """The bytes after a 2-byte length at ``pos`` and the position after them (Binary Data, UTF-8 Encoded String:
+    ``name``). Raises :class:`MalformedPacket` when the length or the bytes run past the end."""
+    if pos + 2 > len(buf):
+        raise MalformedPacket(f"{name} length runs past the end of the packet")
+    start = pos + 2
+    end = start + ((buf[pos] << 8) | buf[pos + 1])
+    if end > len(buf):
+        raise MalformedPacket(f"{name} runs past the end of the packet")
+    return bytes(buf[start:end]), end
 
 
 def decode_binary(buf: bytes | memoryview, pos: int) -> tuple[bytes, int]:
     """Decode Binary Data. Raises :class:`MalformedPacket` when the declared length runs past the end."""
-    if pos + 2 > len(buf):
-        raise MalformedPacket("Binary Data length runs past the end of the packet")
-    length = (buf[pos] << 8) | buf[pos + 1]
-    start = pos + 2
-    end = start + length
-    if end > len(buf):
-        raise MalformedPacket("Binary Data runs past the end of the packet")
-    return bytes(buf[start:end]), end
+    return _decode_prefixed(buf, pos, "Binary Data")
 
 
 def encode_string(value: str) -> bytes:
@@ -114,10 +128,7 @@ def encode_string(value: str) -> bytes:
     Raises:
         ValueError: longer than 65,535 bytes once encoded.
     """
-    data = value.encode("utf-8")
-    if len(data) > 0xFFFF:
-        raise ValueError(f"UTF-8 Encoded String is limited to 65535 bytes, got {len(data)}")
-    return _U16.pack(len(data)) + data
+    return _encode_prefixed(value.encode("utf-8"), "UTF-8 Encoded String")
 
 
 def check_string(value: str) -> None:
@@ -141,14 +152,7 @@ def decode_string(buf: bytes | memoryview, pos: int) -> tuple[str, int]:
         MalformedPacket: the bytes are not well-formed UTF-8 (which includes encoded surrogates)
             [MQTT-1.5.4-1], contain U+0000 [MQTT-1.5.4-2], or run past the end of the packet.
     """
-    if pos + 2 > len(buf):
-        raise MalformedPacket("UTF-8 Encoded String length runs past the end of the packet")
-    length = (buf[pos] << 8) | buf[pos + 1]
-    start = pos + 2
-    end = start + length
-    if end > len(buf):
-        raise MalformedPacket("UTF-8 Encoded String runs past the end of the packet")
-    raw = bytes(buf[start:end])
+    raw, end = _decode_prefixed(buf, pos, "UTF-8 Encoded String")
     try:
         value = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
