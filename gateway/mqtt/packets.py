@@ -260,21 +260,33 @@ class Subscribe:
 
 
 @dataclass(slots=True)
-class Suback:
-    """SUBACK (MQTT 5.0 §3.9, MQTT 3.1.1 §3.9): one reason code (3.1.1: return code) per Topic Filter."""
+class _CodesAck:
+    """The shape shared by SUBACK and UNSUBACK: Packet Identifier, properties (5.0) and one Reason Code per Topic
+    Filter."""
 
-    TYPE: ClassVar[int] = SUBACK
+    TYPE: ClassVar[int] = 0
     packet_id: int
     reason_codes: list[int] = field(default_factory=list)
     properties: Properties = field(default_factory=dict)
 
     def encode(self, version: int) -> bytes:
         body = _id_and_properties(self.packet_id, self.properties, version)
-        if version == MQTT_5:
-            body += bytes(self.reason_codes)
-        else:
-            body += bytes(c if c < 0x80 else SUBACK_FAILURE_311 for c in self.reason_codes)
-        return _frame(0x90, bytes(body))
+        body += bytes(self.reason_codes) if version == MQTT_5 else self._codes_311()
+        return _frame(self.TYPE << 4, bytes(body))
+
+    def _codes_311(self) -> bytes:
+        """The codes in the 3.1.1 wire format."""
+        return b""
+
+
+class Suback(_CodesAck):
+    """SUBACK (MQTT 5.0 §3.9, MQTT 3.1.1 §3.9): one reason code (3.1.1: return code) per Topic Filter."""
+
+    __slots__ = ()
+    TYPE: ClassVar[int] = SUBACK
+
+    def _codes_311(self) -> bytes:
+        return bytes(c if c < 0x80 else SUBACK_FAILURE_311 for c in self.reason_codes)
 
 
 @dataclass(slots=True)
@@ -293,20 +305,11 @@ class Unsubscribe:
         return _frame(0xA2, bytes(body))
 
 
-@dataclass(slots=True)
-class Unsuback:
+class Unsuback(_CodesAck):
     """UNSUBACK (MQTT 5.0 §3.11, MQTT 3.1.1 §3.11); reason codes exist in 5.0 only."""
 
+    __slots__ = ()
     TYPE: ClassVar[int] = UNSUBACK
-    packet_id: int
-    reason_codes: list[int] = field(default_factory=list)
-    properties: Properties = field(default_factory=dict)
-
-    def encode(self, version: int) -> bytes:
-        body = _id_and_properties(self.packet_id, self.properties, version)
-        if version == MQTT_5:
-            body += bytes(self.reason_codes)
-        return _frame(0xB0, bytes(body))
 
 
 @dataclass(slots=True)
