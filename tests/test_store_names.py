@@ -31,8 +31,9 @@ from gateway.broker.session import NEVER, Session
 from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec
-from gateway.store.lmdb_store import _PUT, LmdbStore, StoreSettings
+from gateway.store.lmdb_store import LmdbStore, StoreSettings
 from gateway.store.tables import DB_NAMES
+from gateway.store.writer import _PUT
 
 # max_clientid_len is raised so that the long Client Identifiers reach the store: the point here is that no name,
 # whatever the limits at the protocol edge, can poison a commit.

@@ -36,7 +36,8 @@ from gateway.broker.session import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec
-from gateway.store.lmdb_store import _Q_DEL, _Q_SENT, LmdbStore, StoreSettings, _drop_superseded
+from gateway.store.lmdb_store import LmdbStore, StoreSettings
+from gateway.store.writer import _Q_DEL, _Q_SENT, _drop_superseded
 
 
 class PagedSession:

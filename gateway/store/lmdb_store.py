@@ -30,6 +30,18 @@
   fail the batch: the writer applies the batch again in nested transactions, halving the failing part until the
   failing changes are found, leaves them out, commits the rest, logs each at CRITICAL and reports the clients
   they belong to (``on_change_failed``) before the batch's callbacks run.
+
+Modules of the store (imports go down this list only):
+
+- :mod:`gateway.store.lmdb_store` (this one): :class:`LmdbStore`: the typed operations that record changes on the
+  loop, batches and their ``when_durable`` callbacks, opening, loading, quarantine, ``stats``;
+- :mod:`gateway.store.loading`: one loader per table, and the removal of what expired while the broker was down;
+- :mod:`gateway.store.writer`: :class:`~gateway.store.writer.LmdbWriter` (the base of :class:`LmdbStore`): the
+  environment, the writer thread, group commit, applying operations, reference counts, isolation of failing
+  changes, full store or disk, writing ahead;
+- :mod:`gateway.store.pager`: :class:`~gateway.store.pager.LmdbPager`, queue rows read back as a queue drains;
+- :mod:`gateway.store.settings`, :mod:`gateway.store.tables` (the named databases), :mod:`gateway.store.records`
+  (record formats and keys); :mod:`gateway.store.tools` (``edge-gateway store ...``) uses :class:`LmdbStore`.
 """
 
 from __future__ import annotations
@@ -40,16 +52,12 @@ import errno
 import fcntl
 import logging
 import os
-import queue
 import shutil
 import struct
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lmdb
@@ -74,78 +82,29 @@ from gateway.store.loading import (
     load_subscriptions,
     remove_expired,
 )
-from gateway.store.tables import DB_NAMES, Tables
+from gateway.store.pager import LmdbPager
+from gateway.store.settings import StoreSettings
+from gateway.store.writer import (
+    _DEL,
+    _IN_DEL,
+    _IN_PUT,
+    _OB_DEL,
+    _OB_PUT,
+    _PUT,
+    _Q_DEL,
+    _Q_PUT,
+    _Q_SENT,
+    _RET_DEL,
+    _RET_PUT,
+    _SESS_DEL,
+    LmdbWriter,
+    _no_room,
+)
 
 log = logging.getLogger("gateway.store")
 
-_INITIAL_MAP = 32 * 1024 * 1024
 _HEADROOM_FRACTION = 0.05
-_AHEAD = 4 * 1024 * 1024  # written space kept past LMDB's last page (see LmdbStore._preallocate)
-_ZEROS = bytes(1024 * 1024)
 _MIN_HEADROOM = 2 * 1024 * 1024
-
-# Writer operations.
-_PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
-_OB_PUT, _OB_DEL = 9, 10  # upstream outbox (gateway/upstream/)
-_Q_SENT = 11  # a queue row's Packet Identifier and state, patched in place (records.patch_delivery)
-
-_PROBE_INTERVAL = 1.0  # seconds between writes that test whether a full store or disk takes writes again
-_PROBE_FREE = 1024 * 1024  # bytes free on the file system before such a probe is tried
-_FAIL_LOG_INTERVAL = 60.0  # seconds between two log lines of failed commits (a full disk fails every commit)
-# Errors that fail a whole batch: the store or the disk is full, or the environment or the disk is in trouble.
-# Any other error while a change is applied belongs to that change (see LmdbStore._apply_isolated).
-_BATCH_ERRORS: tuple[type[BaseException], ...] = (
-    lmdb.MapFullError, lmdb.DiskError, lmdb.PanicError, lmdb.TxnFullError, lmdb.ReadonlyError, lmdb.MemoryError,
-    lmdb.MapResizedError, lmdb.BadTxnError, lmdb.ReadersFullError, OSError, MemoryError,
-)
-_QUOTA_TEXT = os.strerror(errno.EDQUOT)
-_EIO_TEXT = os.strerror(errno.EIO)
-
-
-def _per_change(exc: BaseException) -> bool:
-    """True when ``exc``, raised while a change was applied, is that change's own failure (MDB_BAD_VALSIZE and the
-    like), not the batch's (no room, I/O). A bare ``lmdb.Error`` carries an errno (LMDB has no class for it): I/O."""
-    return isinstance(exc, Exception) and not isinstance(exc, _BATCH_ERRORS) and type(exc) is not lmdb.Error
-
-
-#: The table each operation but _PUT, _DEL and _SESS_DEL changes (those carry their table, or several).
-_OP_TABLES = {_Q_PUT: "queue", _Q_DEL: "queue", _Q_SENT: "queue", _IN_PUT: "inbound", _IN_DEL: "inbound",
-              _RET_PUT: "retained", _RET_DEL: "retained", _OB_PUT: "outbox", _OB_DEL: "outbox"}
-
-
-def _describe(op: tuple[Any, ...], tables: Tables) -> str:
-    """A change for a log line: its table and key (the first 200 bytes)."""
-    kind = op[0]
-    if kind in (_PUT, _DEL):
-        db, key = tables.name_of(op[1]), op[2]
-    elif kind == _SESS_DEL:
-        return f"removal of session {op[1][:200]!r}"
-    else:
-        db, key = _OP_TABLES[kind], op[1]
-    shown = bytes(key[:200]) if isinstance(key, bytes | bytearray | memoryview) else key
-    return f"{'delete from' if kind in (_DEL, _Q_DEL, _IN_DEL, _RET_DEL, _OB_DEL) else 'write to'} {db}, key of " \
-        f"{len(key)} bytes {shown!r}"
-
-
-def _no_room(exc: BaseException, path: Path | None = None) -> bool:
-    """True when a failed commit means the store or the disk is full: MDB_MAP_FULL, ENOSPC or EDQUOT. LMDB
-    reports a write cut short by a full disk as EIO, so an I/O error while the file system of ``path`` has less than
-    ``_PROBE_FREE`` bytes free counts as a full disk too."""
-    if isinstance(exc, lmdb.MapFullError | lmdb.DiskError):
-        return True
-    if not isinstance(exc, lmdb.Error):
-        return False
-    text = str(exc)
-    return _QUOTA_TEXT in text or (path is not None and _EIO_TEXT in text and _disk_free(path) < _PROBE_FREE)
-
-
-def _disk_free(path: Path) -> int:
-    """Bytes free for unprivileged writers on the file system of ``path`` (``_PROBE_FREE`` when unknown)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return _PROBE_FREE
-    return st.f_bavail * st.f_frsize
 
 
 def _looks_damaged(exc: BaseException) -> bool:
@@ -158,91 +117,7 @@ class StoreError(Exception):
     """The store cannot be used (corrupt and ``on_corrupt = "refuse"``, locked by another process, ...)."""
 
 
-@dataclass(slots=True)
-class StoreSettings:
-    """``[store]`` settings.
-
-    Attributes:
-        path: directory of the LMDB environment.
-        max_size: largest the data may grow, bytes.
-        commit_interval: extra seconds a batch waits for more work before it is handed to the writer (default 0:
-            the end of the loop turn; whatever arrives while the writer is busy joins the next commit anyway).
-        on_corrupt: ``"quarantine"`` (move aside, start empty) or ``"refuse"`` (raise :class:`StoreError`).
-        group_commit: False commits every acknowledged unit of work alone (one fsync per message): only for
-            measuring what group commit buys (``bench/durable.py``).
-        mqueue_mem_len: queued messages of a persistent session kept in memory; the rest wait only in the
-            store and are paged in as the queue drains (0 = all in memory).
-        lazy_commit: seconds that changes nobody waits for (deletes after acknowledgements, Packet Identifier
-            updates of QoS 1 sends, QoS 0 queue rows, offline deadlines) may wait to share a commit with later
-            work; anything a client waits for is committed at the end of the loop turn as before. A crash can
-            undo at most this much of such changes, so a QoS 1 message may come again; nothing acknowledged is
-            lost. Draining a backlog takes about a tenth of the fsyncs (less flash wear).
-    """
-
-    path: str = "var"
-    max_size: int = 1024 * 1024 * 1024
-    commit_interval: float = 0.0
-    on_corrupt: str = "quarantine"
-    group_commit: bool = True
-    mqueue_mem_len: int = 1000
-    lazy_commit: float = 0.005
-
-
-def _drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Leave out queue-row patches (a Packet Identifier recorded for a send) whose row the same transaction
-    deletes anyway (the PUBACK came before the commit): the committed state is the same, with fewer writes."""
-    deleted = {op[1] for op in ops if op[0] == _Q_DEL}
-    if not deleted:
-        return ops
-    return [op for op in ops if op[0] != _Q_SENT or op[1] not in deleted]
-
-
-class LmdbPager:
-    """The :class:`~gateway.broker.store.QueuePager` of one session: reads its committed queue rows.
-
-    The store keeps a weak index of its pagers by key prefix, to name the session of a queue row that a commit did
-    not write (:meth:`LmdbStore._rows_not_written`)."""
-
-    __slots__ = ("__weakref__", "client_id", "prefix", "store")
-
-    def __init__(self, store: LmdbStore, client_id: str) -> None:
-        self.store = store
-        self.client_id = client_id
-        self.prefix = rec.client_prefix(client_id)
-        store._pagers[self.prefix] = self
-
-    def committed_seq(self) -> int:
-        """The highest store sequence number known committed (updated as commits land on the loop)."""
-        return self.store.committed_seq
-
-    def read(self, after: int, upto: int, limit: int) -> list[Delivery]:
-        """Up to ``limit`` committed queue rows of this session with ``after < seq <= upto``, in order, each with
-        its message read back (one read transaction on the calling thread; held under ``map_lock`` so the writer
-        cannot resize the map meanwhile). A row whose message row is missing comes back marked ``dropped``."""
-        store = self.store
-        assert store.env is not None
-        prefix = self.prefix
-        start = len(prefix)
-        out: list[Delivery] = []
-        messages, queue_db = store.tables.messages, store.tables.queue
-        with store.map_lock, store.env.begin() as txn:
-            cursor = txn.cursor(db=queue_db)
-            if not cursor.set_range(prefix + rec.u64(after + 1)):
-                return out
-            decode, carries, from_u64 = rec.decode_queued, rec.carries_message, rec.from_u64
-            last = prefix + rec.u64(upto)  # keys sort as (client, seq): past this one is past the range
-            for _, (key, value) in zip(range(limit), cursor.iternext(), strict=False):
-                if key > last:
-                    break
-                if carries(value):
-                    out.append(decode(value, from_u64(key, start)))
-                else:
-                    # The record starts with the mid, as the message row's key is made.
-                    out.append(decode(value, from_u64(key, start), txn.get(value[:8], db=messages)))
-        return out
-
-
-class LmdbStore:
+class LmdbStore(LmdbWriter):
     """Durable sessions, queues, inbound QoS 2 state and retained messages in LMDB.
 
     Args:
@@ -252,12 +127,8 @@ class LmdbStore:
     """
 
     def __init__(self, settings: StoreSettings, limits_for: Callable[[], ZoneLimits] = ZoneLimits) -> None:
-        self.settings = settings
-        self.path = Path(settings.path)
+        super().__init__(settings)
         self.limits_for = limits_for
-        self.env: lmdb.Environment | None = None
-        self.tables: Tables  # set when the environment is opened (_open_env)
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.on_callbacks_done: Callable[[], None] | None = None
         #: Called on the loop with a client id and the seqs of its queue rows that a commit did not write (it
         #: failed, or left them out), before any later commit lands (``_rows_not_written``): the broker drops
@@ -276,68 +147,27 @@ class LmdbStore:
         #: before that commit's ``when_durable`` callbacks run: the broker closes their connections so that
         #: nothing of theirs is acknowledged (``Broker.store_change_failed``).
         self.on_change_failed: Callable[[set[str]], None] | None = None
-        self._skipped: list[tuple[tuple[Any, ...], BaseException]] = []  # changes the last commit left out
         self._long_names: dict[bytes, str] = {}  # hashed key part -> the client id it stands for
         self._hashed_keys = True  # False while reading a format 1/2 store as it is (tools)
         self._submit_scheduled = False
         self._lazy: asyncio.TimerHandle | None = None  # a submit of changes nobody waits for, not yet due
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._writer: threading.Thread | None = None
-        self._refs: dict[int, int] = {}  # mid -> references, for messages referenced more than once
-        self._undo: list[tuple[int, int | None]] = []
-        self._last_put_mid = 0
-        self._top_mid = 0  # no message row has a higher mid (see _apply)
         self._enc: tuple[int, bytes] = (0, b"")  # the last message record encoded on the loop, by mid
         # Every queue row with a seq <= this was committed, except those reported to on_queue_rows_lost first.
         self.committed_seq = 0
-        self.map_lock = threading.Lock()  # no read transaction may be open while the writer resizes the map
         self._inflight_seq: deque[int] = deque()
         self._seq = 1
         self._next_mid_hint = 1
         self._outbox_loaded: dict[bytes, list[OutboxRecord]] = {}  # by the link's key part (records.name_key)
         self._prefixes: dict[str, bytes] = {}  # client id -> its key prefix
         self._lock_fd: int | None = None
-        self.used_bytes = 0
         limit = settings.max_size
         self._room_below = limit - max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))  # has_room: used below this
-        self.map_size = 0
-        self.commits = 0
-        self.committed_ops = 0
-        self.last_commit_at = time.monotonic()
         self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
-        self.write_errors = 0
-        self.failed_changes = 0  # changes left out of a commit because they failed alone
-        self.last_write_failed = False  # the last commit failed for lack of room (cleared by the next that succeeds)
-        self.last_failure_full = False  # whether the last failed commit failed for lack of room
-        self._fail_log_at = 0.0  # monotonic time before which failed commits are counted, not logged
-        self._fail_log_suppressed = 0
         self.refused = 0
         self.quarantined: str | None = None
         self.closed = False
 
-    @property
-    def dbs(self) -> tuple[Any, ...]:
-        """The table handles in ``DB_NAMES`` order, the positional form ``bench/durable_cpu.py`` reads (``dbs[4]``:
-        queue, ``dbs[1]``: messages). Code of the store names its table instead (``tables.queue``)."""
-        return tuple(self.tables)
-
     # ------------------------------------------------------------------------------------------ opening
-
-    def _open_env(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        map_size = max(min(self.settings.max_size, _INITIAL_MAP), self._data_file_size())
-        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 1, subdir=True,
-                             sync=True, metasync=True, lock=True, readahead=False)
-        self.map_size = map_size
-        self.tables = Tables.open(self.env)
-        self._file_end = self._data_file_size()
-        self._page_size = self.env.stat()["psize"]
-
-    def _data_file_size(self) -> int:
-        try:
-            return (self.path / "data.mdb").stat().st_size
-        except OSError:
-            return 0
 
     def _take_lock(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -414,7 +244,7 @@ class LmdbStore:
             ld = Loading(txn, tables, now, min(mem_len, OFFLINE_MEM_LEN) if mem_len else 0, mem_len)
             next_mid = txn.get(b"next_mid", db=tables.meta)
             next_seq = txn.get(b"next_seq", db=tables.meta)
-            load_sessions(ld, self._hashed_keys, self.limits_for, lambda cid: LmdbPager(self, cid), self._long_names)
+            load_sessions(ld, self._hashed_keys, self.limits_for, self._new_pager, self._long_names)
             load_subscriptions(ld)
             load_queue(ld)
             load_inbound(ld)
@@ -506,221 +336,12 @@ class LmdbStore:
             log.info("store: %d rows with names longer than %d bytes rewritten to store format %d", moved, limit,
                      rec.FORMAT_VERSION)
 
-    def _delete_session_rows(self, txn: Any, cid: str) -> None:
-        t = self.tables
-        sessions_db, subs_db, queue_db, inbound_db = t.sessions, t.subs, t.queue, t.inbound
-        txn.delete(rec.name_key(cid), db=sessions_db)
-        prefix = rec.client_prefix(cid)
-        for db in (subs_db, queue_db, inbound_db):
-            cursor = txn.cursor(db=db)
-            if not cursor.set_range(prefix):
-                continue
-            while cursor.key().startswith(prefix):
-                if db is not subs_db:
-                    value = bytes(cursor.value())
-                    if db is not queue_db or not rec.carries_message(value):
-                        self._unref(txn, rec.from_u64(value))
-                if not cursor.delete():
-                    break
-            cursor.close()
-
-    # ------------------------------------------------------------------------------------------ writer
-
-    def _start_writer(self) -> None:
-        self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
-        self._writer.start()
+    # ------------------------------------------------------------------------------------------ batches (loop side)
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_callbacks_done: Callable[[], None] | None = None) -> None:
         """Bind to the event loop that records changes and runs ``when_durable`` callbacks."""
         self.loop = loop
         self.on_callbacks_done = on_callbacks_done
-
-    def _ref(self, txn: Any, message: Message) -> None:
-        mid = message.mid
-        if mid > self._top_mid:
-            self._top_mid = mid  # its row is written now: later queue rows of it must count a reference
-        refs = self._refs
-        count = refs.get(mid)
-        if count is None:
-            # One reference or none: the message row tells (a put that finds it reports False).
-            if mid != self._last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.tables.messages,
-                                                     overwrite=False):
-                self._last_put_mid = mid
-                return
-            count = 1
-        self._undo.append((mid, refs.get(mid)))
-        refs[mid] = count + 1
-
-    def _unref(self, txn: Any, mid: int) -> None:
-        refs = self._refs
-        count = refs.get(mid)
-        if count is None:
-            txn.delete(rec.u64(mid), db=self.tables.messages)
-            if mid == self._last_put_mid:
-                self._last_put_mid = 0
-            return
-        self._undo.append((mid, count))
-        if count <= 2:
-            del refs[mid]
-        else:
-            refs[mid] = count - 1
-
-    def _apply(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
-        """Apply ``ops`` in order. Queue rows of messages newer than any stored (``_top_mid``) are gathered and
-        written with one ``putmulti`` per database, before the next operation of any other kind: such a
-        message has no row and no count yet; a repeat of the last one (fan-out to several sessions) counts
-        a reference."""
-        tables = self.tables
-        queue_db, inbound_db, retained_db, outbox_db = tables.queue, tables.inbound, tables.retained, tables.outbox
-        run: list[tuple[int, bytes, bytes, bytes]] = []  # queue rows of new messages: (mid, record, key, value)
-        for op in ops:
-            kind = op[0]
-            if kind == _Q_PUT:
-                _, key, value, message, record = op
-                mid = message.mid
-                if mid > self._top_mid or (run and mid == run[-1][0]):
-                    run.append((mid, record, key, value))
-                    self._top_mid = mid
-                    continue
-                if run:
-                    self._put_new(txn, run)
-                self._ref(txn, message)
-                txn.put(key, value, db=queue_db)
-                continue
-            if run:
-                self._put_new(txn, run)
-            if kind == _Q_DEL:
-                value = txn.pop(op[1], db=queue_db)
-                if value is not None and not rec.carries_message(value):
-                    self._unref(txn, rec.from_u64(value))
-            elif kind == _Q_SENT:
-                _, key, packet_id, state = op
-                value = txn.get(key, db=queue_db)
-                if value is not None:
-                    txn.put(key, rec.patch_delivery(value, packet_id, state), db=queue_db)
-            elif kind == _PUT:
-                txn.put(op[2], op[3], db=op[1])
-            elif kind == _DEL:
-                txn.delete(op[2], db=op[1])
-            elif kind == _IN_PUT:
-                _, key, value, message = op
-                old = txn.get(key, db=inbound_db)
-                if old is not None:
-                    self._unref(txn, rec.from_u64(bytes(old)))
-                self._ref(txn, message)
-                txn.put(key, value, db=inbound_db)
-            elif kind == _IN_DEL:
-                value = txn.pop(op[1], db=inbound_db)
-                if value is not None:
-                    self._unref(txn, rec.from_u64(value))
-            elif kind == _RET_PUT:
-                _, key, message = op
-                old = txn.get(key, db=retained_db)
-                if old is not None:
-                    self._unref(txn, rec.from_u64(bytes(old)))
-                self._ref(txn, message)
-                txn.put(key, rec.u64(message.mid), db=retained_db)
-            elif kind == _RET_DEL:
-                value = txn.pop(op[1], db=retained_db)
-                if value is not None:
-                    self._unref(txn, rec.from_u64(value))
-            elif kind == _SESS_DEL:
-                self._delete_session_rows(txn, op[1])
-            elif kind == _OB_PUT:
-                _, key, value, message = op
-                self._ref(txn, message)
-                txn.put(key, value, db=outbox_db)
-            elif kind == _OB_DEL:
-                value = txn.pop(op[1], db=outbox_db)
-                if value is not None:
-                    self._unref(txn, rec.from_u64(value))
-        if run:
-            self._put_new(txn, run)
-        # _top_mid stays raised even if this transaction fails: a higher bound only sends more queue rows down
-        # the one-at-a-time path, which is right for any message.
-
-    def _put_new(self, txn: Any, run: list[tuple[int, bytes, bytes, bytes]]) -> None:
-        """Write a run of queue rows of new messages (a message's rows are consecutive) with one ``putmulti``
-        per database. A message with one row is stored in that row (records.inline_message); one with several
-        gets a message row, referenced that many times."""
-        messages: list[tuple[bytes, bytes]] = []
-        rows: list[tuple[bytes, bytes]] = []
-        refs = self._refs
-        last = len(run) - 1
-        shared = 0
-        for i, (mid, record, key, value) in enumerate(run):
-            if shared or (i < last and run[i + 1][0] == mid):
-                if not shared:
-                    messages.append((rec.u64(mid), record))
-                shared += 1
-                rows.append((key, value))
-                if i == last or run[i + 1][0] != mid:
-                    self._undo.append((mid, None))
-                    refs[mid] = shared
-                    shared = 0
-            else:
-                rows.append((key, value + record))
-        if messages:
-            txn.cursor(db=self.tables.messages).putmulti(messages)
-        txn.cursor(db=self.tables.queue).putmulti(rows)
-        # _ref's shortcut ("the last message row put has one reference") must not take an inline message for
-        # one with a row: a later reference to it then writes its row.
-        self._last_put_mid = 0
-        run.clear()
-
-    def _write_loop(self) -> None:
-        q = self._queue
-        while True:
-            if self.last_write_failed and self.loop is not None:
-                # Full: if nothing else commits, a tiny write tells when there is room again (has_room).
-                try:
-                    item = q.get(timeout=_PROBE_INTERVAL)
-                except queue.Empty:
-                    self._probe()
-                    continue
-            else:
-                item = q.get()
-            if item is None:
-                return
-            batches = [item]
-            while self.settings.group_commit:
-                try:
-                    more = q.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    q.put(None)
-                    break
-                batches.append(more)
-            ops = [op for batch in batches for op in batch[0]]
-            if len(batches) > 1:
-                ops = _drop_superseded(ops)  # within one batch, a deleted delivery's send was never recorded
-            meta = self.tables.meta
-            ops.append((_PUT, meta, b"next_mid", str(batches[-1][1]).encode()))
-            ops.append((_PUT, meta, b"next_seq", str(batches[-1][2]).encode()))
-            ok = self._commit(ops)
-            self._report_unwritten(ops if not ok else [op for op, _exc in self._skipped])
-            owners = self._take_skipped()
-            self.commits += 1
-            self.committed_ops += len(ops)
-            self.last_commit_at = time.monotonic()
-            loop = self.loop
-            if loop is not None and not loop.is_closed():
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._committed, len(batches), ok, self.last_failure_full, owners)
-
-    # ---- queue rows a commit did not write (issue 13 item 5; gateway/broker/mqueue.py) ----
-
-    def _report_unwritten(self, ops: list[tuple[Any, ...]]) -> None:
-        """Writer thread: hand the keys of the queue rows among ``ops`` (changes a commit did not write) to the loop,
-        ahead of that commit's ``_committed``: callbacks run in order, so the report lands before
-        ``committed_seq`` moves past those rows. Without a loop (the tools, which commit in the caller) nothing is
-        reported."""
-        keys = [op[1] for op in ops if op[0] == _Q_PUT]
-        loop = self.loop
-        if keys and loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._rows_not_written, keys)
 
     def _rows_not_written(self, keys: list[bytes]) -> None:
         """Loop: report queue rows that were not written (``keys``: client prefix + seq) to
@@ -741,146 +362,6 @@ class LmdbStore:
             except Exception:
                 log.exception("store: on_queue_rows_lost failed")
 
-    # ---- end of queue rows a commit did not write ----
-
-    def _probe(self) -> None:
-        """While the store is full (``last_write_failed``) and nothing else commits: once the file system has
-        ``_PROBE_FREE`` bytes free, commit one tiny write; when it succeeds, new work is taken again."""
-        if _disk_free(self.path) < _PROBE_FREE:
-            return
-        if self._commit([(_PUT, self.tables.meta, b"format", str(rec.FORMAT_VERSION).encode())]):
-            log.warning("store: writes succeed again (%d bytes used of max_size %d); taking QoS 1/2 messages again",
-                        self.used_bytes, self.settings.max_size)
-
-    def _commit(self, ops: list[tuple[Any, ...]]) -> bool:
-        """Apply ``ops`` in one transaction (growing the map as needed); False when they could not be written.
-
-        A change that fails alone (:func:`_per_change`) does not fail the others: the batch is applied again by
-        :meth:`_apply_isolated`, which leaves out the failing changes (kept in ``_skipped`` for
-        :meth:`_take_skipped`). No room (MDB_MAP_FULL at ``max_size``, ENOSPC, EDQUOT) sets ``last_write_failed``
-        (``has_room`` is False) until a commit succeeds; other batch errors do not."""
-        assert self.env is not None
-        isolate = False
-        while True:
-            self._undo = []  # reference counts before this attempt, to roll back with the transaction
-            self._last_put_mid = 0
-            self._skipped = []
-            applying = True
-            try:
-                txn = self.env.begin(write=True)
-                try:
-                    if isolate:
-                        self._apply_isolated(txn, ops)
-                    else:
-                        self._apply(txn, ops)
-                    applying = False
-                except BaseException:
-                    txn.abort()
-                    raise
-                txn.commit()
-                break
-            except lmdb.MapFullError:
-                self._rollback_refs()
-                if self.map_size >= self.settings.max_size:
-                    self._write_failed(f"store full at max_size={self.settings.max_size} bytes", len(ops), True)
-                    return False
-                new_size = min(self.settings.max_size, self.map_size * 2)
-                with self.map_lock:
-                    self.env.set_mapsize(new_size)
-                self.map_size = new_size
-                self._file_end = self._data_file_size()
-                log.info("store: map grown to %d bytes", new_size)
-            except Exception as exc:
-                self._rollback_refs()
-                if applying and not isolate and _per_change(exc):
-                    isolate = True  # one change failed: find it, commit the rest
-                    continue
-                full = _no_room(exc, self.path)
-                self._write_failed(f"store {'full' if full else 'write failed'} ({exc})", len(ops), full)
-                return False
-        if self.last_write_failed:
-            log.warning("store: a commit succeeded again after the store was full")
-        self.last_write_failed = False
-        self._update_used()  # ~10 us a commit; keeps has_room exact
-        self._preallocate()
-        return True
-
-    def _write_failed(self, what: str, count: int, full: bool) -> None:
-        """Count and log (the first at once, then at most one line per ``_FAIL_LOG_INTERVAL`` with the number of
-        failures in between) a batch of ``count`` changes that could not be written."""
-        self.write_errors += 1
-        self.last_failure_full = full
-        if full:
-            self.last_write_failed = True
-        now = time.monotonic()
-        if now < self._fail_log_at:
-            self._fail_log_suppressed += 1
-            return
-        suppressed, self._fail_log_suppressed = self._fail_log_suppressed, 0
-        self._fail_log_at = now + _FAIL_LOG_INTERVAL
-        more = f" ({suppressed} more failed commits in the last {_FAIL_LOG_INTERVAL:.0f} s)" if suppressed else ""
-        log.critical("%s: a batch of %d changes could not be written; its QoS 1/2 publishers are refused (MQTT 5: "
-                     "0x%02X; 3.1.1: disconnected), nothing of it is acknowledged%s", what, count,
-                     0x97 if full else 0x80, more)
-
-    def _apply_isolated(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
-        """Apply ``ops`` in nested transactions of ``txn`` so that changes failing alone are left out: a part
-        that fails is split in halves, down to the single change, which is recorded in ``_skipped`` (about
-        2 log2(n) nested transactions for each failing change). Reference counts changed by an aborted part are
-        rolled back with it; errors that are not a change's own (:func:`_per_change`) propagate."""
-        assert self.env is not None
-        skipped = self._skipped
-        stack: list[list[tuple[Any, ...]]] = [ops]
-        while stack:
-            part = stack.pop()
-            mark = len(self._undo)
-            child = self.env.begin(write=True, parent=txn)
-            try:
-                self._apply(child, part)
-            except Exception as exc:
-                child.abort()
-                self._rollback_refs(mark)
-                if not _per_change(exc):
-                    raise
-                if len(part) == 1:
-                    skipped.append((part[0], exc))
-                else:
-                    half = len(part) // 2
-                    stack.append(part[half:])  # popped second: the halves are applied in order
-                    stack.append(part[:half])
-                continue
-            child.commit()
-        self.failed_changes += len(skipped)
-        for op, exc in skipped:
-            log.critical("store: a change was left out of a commit, the rest of its batch committed: %s (%s: %s)",
-                         _describe(op, self.tables), type(exc).__name__, exc)
-
-    def _take_skipped(self) -> tuple[set[bytes], set[str]] | None:
-        """The owners of the changes the last commit left out, or None: key parts of their client ids (resolved on
-        the loop, :meth:`_owner_ids`) and client ids (publishers of the messages those changes stored)."""
-        skipped, self._skipped = self._skipped, []
-        if not skipped:
-            return None
-        parts: set[bytes] = set()
-        names: set[str] = set()
-        sessions_db, subs_db = self.tables.sessions, self.tables.subs
-        for op, _exc in skipped:
-            kind = op[0]
-            if kind in (_PUT, _DEL):
-                if op[1] is sessions_db:
-                    parts.add(op[2])
-                elif op[1] is subs_db:
-                    parts.add(rec.split_key(op[2])[0])
-            elif kind in (_Q_PUT, _Q_DEL, _Q_SENT, _IN_PUT, _IN_DEL):
-                parts.add(rec.split_key(op[1])[0])
-            elif kind == _SESS_DEL:
-                names.add(op[1])
-            if kind in (_Q_PUT, _IN_PUT, _RET_PUT, _OB_PUT):
-                sender = op[3].sender if kind != _RET_PUT else op[2].sender
-                if sender is not None:
-                    names.add(sender)  # its PUBACK/PUBREC waits for this change
-        return parts, names
-
     def _owner_ids(self, owners: tuple[set[bytes], set[str]]) -> set[str]:
         parts, names = owners
         ids = set(names)
@@ -894,57 +375,6 @@ class LmdbStore:
             else:
                 ids.add(part.decode("utf-8", "replace"))
         return ids
-
-    def _preallocate(self) -> None:
-        """Keep about ``_AHEAD`` bytes of written zeros past LMDB's last page, up to the map size, so that commits
-        write over allocated blocks instead of extending the file. On ext4 an fdatasync that extends a file also
-        commits the journal: measured here, a commit of 64 queued messages took ~20% less time and CPU on a file
-        written ahead (``bench/durable_cpu.py``). Runs on the writer thread between transactions and only writes
-        past the file's end, where LMDB has written nothing. A full disk is not an error here: the extension is
-        given back and LMDB's own writes report it."""
-        assert self.env is not None
-        if self._file_end >= self.map_size:
-            return  # written up to the map's end, or given up until the map grows
-        end = (self.env.info()["last_pgno"] + 1) * self._page_size
-        if end + _AHEAD // 2 <= self._file_end:
-            return
-        target = min(self.map_size, max(end, self._file_end) + _AHEAD)
-        fd = os.open(self.path / "data.mdb", os.O_WRONLY)
-        try:
-            size = pos = os.fstat(fd).st_size
-            try:
-                while pos < target:
-                    pos += os.pwrite(fd, _ZEROS[:target - pos], pos)
-                self._file_end = max(target, size)
-            except OSError as exc:
-                os.ftruncate(fd, size)
-                self._file_end = self.map_size  # not again until the map grows
-                log.warning("store: could not write %d bytes ahead in %s (%s); commits extend the file instead",
-                            target - size, self.path / "data.mdb", exc)
-        finally:
-            os.close(fd)
-
-    def _rollback_refs(self, mark: int = 0) -> None:
-        """Undo the reference count changes recorded since ``_undo[mark]`` (a transaction, or a nested one, was
-        aborted)."""
-        refs = self._refs
-        undo = self._undo
-        for mid, count in reversed(undo[mark:]):
-            if count is None:
-                refs.pop(mid, None)
-            else:
-                refs[mid] = count
-        del undo[mark:]
-        self._last_put_mid = 0
-
-    def _update_used(self) -> None:
-        assert self.env is not None
-        used = 0
-        with self.env.begin() as txn:
-            for db in self.tables:
-                s = txn.stat(db)
-                used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
-        self.used_bytes = used
 
     def _committed(self, count: int, ok: bool = True, full: bool = True,
                    owners: tuple[set[bytes], set[str]] | None = None) -> None:
@@ -1168,7 +598,12 @@ class LmdbStore:
 
     def pager(self, client_id: str) -> tuple[LmdbPager, int] | None:
         mem_len = self.settings.mqueue_mem_len
-        return (LmdbPager(self, client_id), mem_len) if mem_len > 0 else None
+        return (self._new_pager(client_id), mem_len) if mem_len > 0 else None
+
+    def _new_pager(self, client_id: str) -> LmdbPager:
+        """A pager of ``client_id``'s queue rows, indexed (weakly) by its key prefix for ``_rows_not_written``."""
+        pager = self._pagers[rec.client_prefix(client_id)] = LmdbPager(self, client_id)
+        return pager
 
     def outbox_seq(self) -> int:
         seq = self._seq  # shared with queue rows; persisted as next_seq with every commit

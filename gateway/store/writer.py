@@ -1,0 +1,591 @@
+"""The writer of the LMDB store: one thread that commits the batches the event loop hands over (DESIGN.md §4).
+
+:class:`LmdbWriter` is the writing half of :class:`~gateway.store.lmdb_store.LmdbStore` (its base class; the typed
+operations that record changes on the loop, loading and the tools are in :mod:`gateway.store.lmdb_store`):
+
+- the environment and its tables, and the map's growth up to ``max_size``;
+- the writer thread and its queue of batches: batches that queue up while the writer is busy share one
+  transaction (group commit), fsynced by LMDB's default ``sync``/``metasync``;
+- applying the operations (``_apply``, ``_put_new``): a batch's changes in order, queue rows of new messages with
+  one ``putmulti`` per table, and the reference counts of message rows referenced more than once (kept on this
+  thread, rolled back with an aborted transaction);
+- isolating a change that fails alone (nested transactions), a full store or disk (``last_write_failed``, and a
+  probe write every ``_PROBE_INTERVAL`` seconds while nothing else commits), and writing the data file ahead
+  (``_preallocate``).
+
+The results go back to the loop through two methods the store implements: ``_committed`` (a commit landed or
+failed) and ``_rows_not_written`` (queue rows a commit did not write).
+
+An operation is a tuple whose first item is its kind (``_PUT`` ... ``_Q_SENT`` below), recorded by the store's
+typed operations and applied here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from gateway.broker.message import Message
+from gateway.store import records as rec
+from gateway.store.settings import StoreSettings
+from gateway.store.tables import DB_NAMES, Tables
+
+log = logging.getLogger("gateway.store")
+
+_INITIAL_MAP = 32 * 1024 * 1024  # bytes: the map of a new store (it doubles as needed up to max_size)
+_AHEAD = 4 * 1024 * 1024  # bytes of written space kept past LMDB's last page (see LmdbWriter._preallocate)
+_ZEROS = bytes(1024 * 1024)
+
+# Operations, recorded by the store's typed operations on the loop, applied in order by _apply:
+#   (_PUT, table, key, value), (_DEL, table, key)            sessions, subs, meta
+#   (_Q_PUT, key, delivery record, Message, message record)  a new queue row (takes a reference to its message)
+#   (_Q_DEL, key), (_Q_SENT, key, packet_id, state)          a queue row deleted, or patched after a send
+#   (_IN_PUT, key, inbound record, Message), (_IN_DEL, key)  inbound QoS 2 rows
+#   (_RET_PUT, key, Message), (_RET_DEL, key)                retained messages
+#   (_OB_PUT, key, outbox record, Message), (_OB_DEL, key)   upstream outbox rows (gateway/upstream/)
+#   (_SESS_DEL, client id)                                    a session with its subscription, queue, inbound rows
+_PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
+_OB_PUT, _OB_DEL = 9, 10
+_Q_SENT = 11  # the row's Packet Identifier and state, patched in place (records.patch_delivery)
+#: The table each operation but _PUT, _DEL and _SESS_DEL changes (those carry their table, or several).
+_OP_TABLES = {_Q_PUT: "queue", _Q_DEL: "queue", _Q_SENT: "queue", _IN_PUT: "inbound", _IN_DEL: "inbound",
+              _RET_PUT: "retained", _RET_DEL: "retained", _OB_PUT: "outbox", _OB_DEL: "outbox"}
+
+_PROBE_INTERVAL = 1.0  # seconds between writes that test whether a full store or disk takes writes again
+_PROBE_FREE = 1024 * 1024  # bytes free on the file system before such a probe is tried
+_FAIL_LOG_INTERVAL = 60.0  # seconds between two log lines of failed commits (a full disk fails every commit)
+# Errors that fail a whole batch: the store or the disk is full, or the environment or the disk is in trouble.
+# Any other error while a change is applied belongs to that change (see LmdbWriter._apply_isolated).
+_BATCH_ERRORS: tuple[type[BaseException], ...] = (
+    lmdb.MapFullError, lmdb.DiskError, lmdb.PanicError, lmdb.TxnFullError, lmdb.ReadonlyError, lmdb.MemoryError,
+    lmdb.MapResizedError, lmdb.BadTxnError, lmdb.ReadersFullError, OSError, MemoryError,
+)
+_QUOTA_TEXT = os.strerror(errno.EDQUOT)
+_EIO_TEXT = os.strerror(errno.EIO)
+
+
+def _per_change(exc: BaseException) -> bool:
+    """True when ``exc``, raised while a change was applied, is that change's own failure (MDB_BAD_VALSIZE and the
+    like), not the batch's (no room, I/O). A bare ``lmdb.Error`` carries an errno (LMDB has no class for it): I/O."""
+    return isinstance(exc, Exception) and not isinstance(exc, _BATCH_ERRORS) and type(exc) is not lmdb.Error
+
+
+def _describe(op: tuple[Any, ...], tables: Tables) -> str:
+    """A change for a log line: its table and key (the first 200 bytes)."""
+    kind = op[0]
+    if kind in (_PUT, _DEL):
+        db, key = tables.name_of(op[1]), op[2]
+    elif kind == _SESS_DEL:
+        return f"removal of session {op[1][:200]!r}"
+    else:
+        db, key = _OP_TABLES[kind], op[1]
+    shown = bytes(key[:200]) if isinstance(key, bytes | bytearray | memoryview) else key
+    return f"{'delete from' if kind in (_DEL, _Q_DEL, _IN_DEL, _RET_DEL, _OB_DEL) else 'write to'} {db}, key of " \
+        f"{len(key)} bytes {shown!r}"
+
+
+def _no_room(exc: BaseException, path: Path | None = None) -> bool:
+    """True when a failed commit means the store or the disk is full: MDB_MAP_FULL, ENOSPC or EDQUOT. LMDB
+    reports a write cut short by a full disk as EIO, so an I/O error while the file system of ``path`` has less than
+    ``_PROBE_FREE`` bytes free counts as a full disk too."""
+    if isinstance(exc, lmdb.MapFullError | lmdb.DiskError):
+        return True
+    if not isinstance(exc, lmdb.Error):
+        return False
+    text = str(exc)
+    return _QUOTA_TEXT in text or (path is not None and _EIO_TEXT in text and _disk_free(path) < _PROBE_FREE)
+
+
+def _disk_free(path: Path) -> int:
+    """Bytes free for unprivileged writers on the file system of ``path`` (``_PROBE_FREE`` when unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return _PROBE_FREE
+    return st.f_bavail * st.f_frsize
+
+
+def _drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Leave out queue-row patches (a Packet Identifier recorded for a send) whose row the same transaction
+    deletes anyway (the PUBACK came before the commit): the committed state is the same, with fewer writes."""
+    deleted = {op[1] for op in ops if op[0] == _Q_DEL}
+    if not deleted:
+        return ops
+    return [op for op in ops if op[0] != _Q_SENT or op[1] not in deleted]
+
+
+class LmdbWriter:
+    """The environment, its tables and the writer thread of an LMDB store (see the module's docstring).
+
+    Args:
+        settings: the ``[store]`` settings (``path``, ``max_size``, ``group_commit`` are read here).
+    """
+
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        self.path = Path(settings.path)
+        self.env: lmdb.Environment | None = None
+        self.tables: Tables  # set when the environment is opened (_open_env)
+        #: The event loop that gets the results (``_committed``); None: commits run in the caller (tools, tests).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.map_lock = threading.Lock()  # no read transaction may be open while the writer resizes the map
+        self._queue: queue.Queue[Any] = queue.Queue()  # batches: (ops, next_mid, next_seq); None stops the writer
+        self._writer: threading.Thread | None = None
+        self._skipped: list[tuple[tuple[Any, ...], BaseException]] = []  # changes the last commit left out
+        self._refs: dict[int, int] = {}  # mid -> references, for messages referenced more than once
+        self._undo: list[tuple[int, int | None]] = []
+        self._last_put_mid = 0
+        self._top_mid = 0  # no message row has a higher mid (see _apply)
+        self.used_bytes = 0
+        self.map_size = 0
+        self._file_end = 0  # bytes: the data file's size as last written or seen (_preallocate)
+        self._page_size = 0  # bytes: LMDB's page size
+        self.commits = 0
+        self.committed_ops = 0
+        self.last_commit_at = time.monotonic()
+        self.write_errors = 0
+        self.failed_changes = 0  # changes left out of a commit because they failed alone
+        self.last_write_failed = False  # the last commit failed for lack of room (cleared by the next that succeeds)
+        self.last_failure_full = False  # whether the last failed commit failed for lack of room
+        self._fail_log_at = 0.0  # monotonic time before which failed commits are counted, not logged
+        self._fail_log_suppressed = 0
+
+    @property
+    def dbs(self) -> tuple[Any, ...]:
+        """The table handles in ``DB_NAMES`` order, the positional form ``bench/durable_cpu.py`` reads (``dbs[4]``:
+        queue, ``dbs[1]``: messages). Code of the store names its table instead (``tables.queue``)."""
+        return tuple(self.tables)
+
+    def _open_env(self) -> None:
+        """Open the environment under ``path`` (map: the data file's size, at least ``_INITIAL_MAP`` bytes within
+        ``max_size``; LMDB's default ``sync``/``metasync``) and its tables."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        map_size = max(min(self.settings.max_size, _INITIAL_MAP), self._data_file_size())
+        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(DB_NAMES) + 1, subdir=True,
+                             sync=True, metasync=True, lock=True, readahead=False)
+        self.map_size = map_size
+        self.tables = Tables.open(self.env)
+        self._file_end = self._data_file_size()
+        self._page_size = self.env.stat()["psize"]
+
+    def _data_file_size(self) -> int:
+        """Bytes in ``data.mdb`` (0 when there is none)."""
+        try:
+            return (self.path / "data.mdb").stat().st_size
+        except OSError:
+            return 0
+
+    def _update_used(self) -> None:
+        """``used_bytes``: the pages of every table (``has_room`` compares it with ``max_size``)."""
+        assert self.env is not None
+        used = 0
+        with self.env.begin() as txn:
+            for db in self.tables:
+                s = txn.stat(db)
+                used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
+        self.used_bytes = used
+
+    def _start_writer(self) -> None:
+        """Start the writer thread (:meth:`_write_loop`)."""
+        self._writer = threading.Thread(target=self._write_loop, name="store-writer", daemon=True)
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        """The writer thread: take a batch, and every batch queued behind it (group commit), commit them as one
+        transaction with ``next_mid``/``next_seq``, report to the loop; while the store is full and nothing comes,
+        probe every ``_PROBE_INTERVAL`` seconds. Ends at ``None``."""
+        q = self._queue
+        while True:
+            if self.last_write_failed and self.loop is not None:
+                # Full: if nothing else commits, a tiny write tells when there is room again (has_room).
+                try:
+                    item = q.get(timeout=_PROBE_INTERVAL)
+                except queue.Empty:
+                    self._probe()
+                    continue
+            else:
+                item = q.get()
+            if item is None:
+                return
+            batches = [item]
+            while self.settings.group_commit:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    q.put(None)
+                    break
+                batches.append(more)
+            ops = [op for batch in batches for op in batch[0]]
+            if len(batches) > 1:
+                ops = _drop_superseded(ops)  # within one batch, a deleted delivery's send was never recorded
+            meta = self.tables.meta
+            ops.append((_PUT, meta, b"next_mid", str(batches[-1][1]).encode()))
+            ops.append((_PUT, meta, b"next_seq", str(batches[-1][2]).encode()))
+            ok = self._commit(ops)
+            self._report_unwritten(ops if not ok else [op for op, _exc in self._skipped])
+            owners = self._take_skipped()
+            self.commits += 1
+            self.committed_ops += len(ops)
+            self.last_commit_at = time.monotonic()
+            loop = self.loop
+            if loop is not None and not loop.is_closed():
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._committed, len(batches), ok, self.last_failure_full, owners)
+
+    def _commit(self, ops: list[tuple[Any, ...]]) -> bool:
+        """Apply ``ops`` in one transaction (growing the map as needed); False when they could not be written.
+
+        A change that fails alone (:func:`_per_change`) does not fail the others: the batch is applied again by
+        :meth:`_apply_isolated`, which leaves out the failing changes (kept in ``_skipped`` for
+        :meth:`_take_skipped`). No room (MDB_MAP_FULL at ``max_size``, ENOSPC, EDQUOT) sets ``last_write_failed``
+        (``has_room`` is False) until a commit succeeds; other batch errors do not."""
+        assert self.env is not None
+        isolate = False
+        while True:
+            self._undo = []  # reference counts before this attempt, to roll back with the transaction
+            self._last_put_mid = 0
+            self._skipped = []
+            applying = True
+            try:
+                txn = self.env.begin(write=True)
+                try:
+                    if isolate:
+                        self._apply_isolated(txn, ops)
+                    else:
+                        self._apply(txn, ops)
+                    applying = False
+                except BaseException:
+                    txn.abort()
+                    raise
+                txn.commit()
+                break
+            except lmdb.MapFullError:
+                self._rollback_refs()
+                if self.map_size >= self.settings.max_size:
+                    self._write_failed(f"store full at max_size={self.settings.max_size} bytes", len(ops), True)
+                    return False
+                new_size = min(self.settings.max_size, self.map_size * 2)
+                with self.map_lock:
+                    self.env.set_mapsize(new_size)
+                self.map_size = new_size
+                self._file_end = self._data_file_size()
+                log.info("store: map grown to %d bytes", new_size)
+            except Exception as exc:
+                self._rollback_refs()
+                if applying and not isolate and _per_change(exc):
+                    isolate = True  # one change failed: find it, commit the rest
+                    continue
+                full = _no_room(exc, self.path)
+                self._write_failed(f"store {'full' if full else 'write failed'} ({exc})", len(ops), full)
+                return False
+        if self.last_write_failed:
+            log.warning("store: a commit succeeded again after the store was full")
+        self.last_write_failed = False
+        self._update_used()  # ~10 us a commit; keeps has_room exact
+        self._preallocate()
+        return True
+
+    def _write_failed(self, what: str, count: int, full: bool) -> None:
+        """Count and log (the first at once, then at most one line per ``_FAIL_LOG_INTERVAL`` with the number of
+        failures in between) a batch of ``count`` changes that could not be written."""
+        self.write_errors += 1
+        self.last_failure_full = full
+        if full:
+            self.last_write_failed = True
+        now = time.monotonic()
+        if now < self._fail_log_at:
+            self._fail_log_suppressed += 1
+            return
+        suppressed, self._fail_log_suppressed = self._fail_log_suppressed, 0
+        self._fail_log_at = now + _FAIL_LOG_INTERVAL
+        more = f" ({suppressed} more failed commits in the last {_FAIL_LOG_INTERVAL:.0f} s)" if suppressed else ""
+        log.critical("%s: a batch of %d changes could not be written; its QoS 1/2 publishers are refused (MQTT 5: "
+                     "0x%02X; 3.1.1: disconnected), nothing of it is acknowledged%s", what, count,
+                     0x97 if full else 0x80, more)
+
+    def _probe(self) -> None:
+        """While the store is full (``last_write_failed``) and nothing else commits: once the file system has
+        ``_PROBE_FREE`` bytes free, commit one tiny write; when it succeeds, new work is taken again."""
+        if _disk_free(self.path) < _PROBE_FREE:
+            return
+        if self._commit([(_PUT, self.tables.meta, b"format", str(rec.FORMAT_VERSION).encode())]):
+            log.warning("store: writes succeed again (%d bytes used of max_size %d); taking QoS 1/2 messages again",
+                        self.used_bytes, self.settings.max_size)
+
+    def _apply(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
+        """Apply ``ops`` in order. Queue rows of messages newer than any stored (``_top_mid``) are gathered and
+        written with one ``putmulti`` per database, before the next operation of any other kind: such a
+        message has no row and no count yet; a repeat of the last one (fan-out to several sessions) counts
+        a reference."""
+        tables = self.tables
+        queue_db, inbound_db, retained_db, outbox_db = tables.queue, tables.inbound, tables.retained, tables.outbox
+        deletes = {_IN_DEL: inbound_db, _RET_DEL: retained_db, _OB_DEL: outbox_db}  # deletes of referencing rows
+        run: list[tuple[int, bytes, bytes, bytes]] = []  # queue rows of new messages: (mid, record, key, value)
+        for op in ops:
+            kind = op[0]
+            if kind == _Q_PUT:
+                _, key, value, message, record = op
+                mid = message.mid
+                if mid > self._top_mid or (run and mid == run[-1][0]):
+                    run.append((mid, record, key, value))
+                    self._top_mid = mid
+                    continue
+                if run:
+                    self._put_new(txn, run)
+                self._ref(txn, message)
+                txn.put(key, value, db=queue_db)
+                continue
+            if run:
+                self._put_new(txn, run)
+            if kind == _Q_DEL:
+                value = txn.pop(op[1], db=queue_db)
+                if value is not None and not rec.carries_message(value):
+                    self._unref(txn, rec.from_u64(value))
+            elif kind == _Q_SENT:
+                _, key, packet_id, state = op
+                value = txn.get(key, db=queue_db)
+                if value is not None:
+                    txn.put(key, rec.patch_delivery(value, packet_id, state), db=queue_db)
+            elif kind == _PUT:
+                txn.put(op[2], op[3], db=op[1])
+            elif kind == _DEL:
+                txn.delete(op[2], db=op[1])
+            elif kind in (_IN_PUT, _RET_PUT):
+                # A row that replaces another (same key) moves its reference to the new message.
+                if kind == _IN_PUT:
+                    _, key, value, message = op
+                    db = inbound_db
+                else:
+                    _, key, message = op
+                    value, db = rec.u64(message.mid), retained_db
+                old = txn.get(key, db=db)
+                if old is not None:
+                    self._unref(txn, rec.from_u64(bytes(old)))
+                self._ref(txn, message)
+                txn.put(key, value, db=db)
+            elif kind in deletes:  # _IN_DEL, _RET_DEL, _OB_DEL: the row referenced a message row
+                value = txn.pop(op[1], db=deletes[kind])
+                if value is not None:
+                    self._unref(txn, rec.from_u64(value))
+            elif kind == _SESS_DEL:
+                self._delete_session_rows(txn, op[1])
+            elif kind == _OB_PUT:
+                _, key, value, message = op
+                self._ref(txn, message)
+                txn.put(key, value, db=outbox_db)
+        if run:
+            self._put_new(txn, run)
+        # _top_mid stays raised even if this transaction fails: a higher bound only sends more queue rows down
+        # the one-at-a-time path, which is right for any message.
+
+    def _put_new(self, txn: Any, run: list[tuple[int, bytes, bytes, bytes]]) -> None:
+        """Write a run of queue rows of new messages (a message's rows are consecutive) with one ``putmulti``
+        per database. A message with one row is stored in that row (records.inline_message); one with several
+        gets a message row, referenced that many times."""
+        messages: list[tuple[bytes, bytes]] = []
+        rows: list[tuple[bytes, bytes]] = []
+        refs = self._refs
+        last = len(run) - 1
+        shared = 0
+        for i, (mid, record, key, value) in enumerate(run):
+            if shared or (i < last and run[i + 1][0] == mid):
+                if not shared:
+                    messages.append((rec.u64(mid), record))
+                shared += 1
+                rows.append((key, value))
+                if i == last or run[i + 1][0] != mid:
+                    self._undo.append((mid, None))
+                    refs[mid] = shared
+                    shared = 0
+            else:
+                rows.append((key, value + record))
+        if messages:
+            txn.cursor(db=self.tables.messages).putmulti(messages)
+        txn.cursor(db=self.tables.queue).putmulti(rows)
+        # _ref's shortcut ("the last message row put has one reference") must not take an inline message for
+        # one with a row: a later reference to it then writes its row.
+        self._last_put_mid = 0
+        run.clear()
+
+    def _ref(self, txn: Any, message: Message) -> None:
+        mid = message.mid
+        if mid > self._top_mid:
+            self._top_mid = mid  # its row is written now: later queue rows of it must count a reference
+        refs = self._refs
+        count = refs.get(mid)
+        if count is None:
+            # One reference or none: the message row tells (a put that finds it reports False).
+            if mid != self._last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.tables.messages,
+                                                     overwrite=False):
+                self._last_put_mid = mid
+                return
+            count = 1
+        self._undo.append((mid, refs.get(mid)))
+        refs[mid] = count + 1
+
+    def _unref(self, txn: Any, mid: int) -> None:
+        refs = self._refs
+        count = refs.get(mid)
+        if count is None:
+            txn.delete(rec.u64(mid), db=self.tables.messages)
+            if mid == self._last_put_mid:
+                self._last_put_mid = 0
+            return
+        self._undo.append((mid, count))
+        if count <= 2:
+            del refs[mid]
+        else:
+            refs[mid] = count - 1
+
+    def _delete_session_rows(self, txn: Any, cid: str) -> None:
+        t = self.tables
+        sessions_db, subs_db, queue_db, inbound_db = t.sessions, t.subs, t.queue, t.inbound
+        txn.delete(rec.name_key(cid), db=sessions_db)
+        prefix = rec.client_prefix(cid)
+        for db in (subs_db, queue_db, inbound_db):
+            cursor = txn.cursor(db=db)
+            if not cursor.set_range(prefix):
+                continue
+            while cursor.key().startswith(prefix):
+                if db is not subs_db:
+                    value = bytes(cursor.value())
+                    if db is not queue_db or not rec.carries_message(value):
+                        self._unref(txn, rec.from_u64(value))
+                if not cursor.delete():
+                    break
+            cursor.close()
+
+    def _rollback_refs(self, mark: int = 0) -> None:
+        """Undo the reference count changes recorded since ``_undo[mark]`` (a transaction, or a nested one, was
+        aborted)."""
+        refs = self._refs
+        undo = self._undo
+        for mid, count in reversed(undo[mark:]):
+            if count is None:
+                refs.pop(mid, None)
+            else:
+                refs[mid] = count
+        del undo[mark:]
+        self._last_put_mid = 0
+
+    def _apply_isolated(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
+        """Apply ``ops`` in nested transactions of ``txn`` so that changes failing alone are left out: a part
+        that fails is split in halves, down to the single change, which is recorded in ``_skipped`` (about
+        2 log2(n) nested transactions for each failing change). Reference counts changed by an aborted part are
+        rolled back with it; errors that are not a change's own (:func:`_per_change`) propagate."""
+        assert self.env is not None
+        skipped = self._skipped
+        stack: list[list[tuple[Any, ...]]] = [ops]
+        while stack:
+            part = stack.pop()
+            mark = len(self._undo)
+            child = self.env.begin(write=True, parent=txn)
+            try:
+                self._apply(child, part)
+            except Exception as exc:
+                child.abort()
+                self._rollback_refs(mark)
+                if not _per_change(exc):
+                    raise
+                if len(part) == 1:
+                    skipped.append((part[0], exc))
+                else:
+                    half = len(part) // 2
+                    stack.append(part[half:])  # popped second: the halves are applied in order
+                    stack.append(part[:half])
+                continue
+            child.commit()
+        self.failed_changes += len(skipped)
+        for op, exc in skipped:
+            log.critical("store: a change was left out of a commit, the rest of its batch committed: %s (%s: %s)",
+                         _describe(op, self.tables), type(exc).__name__, exc)
+
+    def _take_skipped(self) -> tuple[set[bytes], set[str]] | None:
+        """The owners of the changes the last commit left out, or None: key parts of their client ids (resolved on
+        the loop, :meth:`_owner_ids`) and client ids (publishers of the messages those changes stored)."""
+        skipped, self._skipped = self._skipped, []
+        if not skipped:
+            return None
+        parts: set[bytes] = set()
+        names: set[str] = set()
+        sessions_db, subs_db = self.tables.sessions, self.tables.subs
+        for op, _exc in skipped:
+            kind = op[0]
+            if kind in (_PUT, _DEL):
+                if op[1] is sessions_db:
+                    parts.add(op[2])
+                elif op[1] is subs_db:
+                    parts.add(rec.split_key(op[2])[0])
+            elif kind in (_Q_PUT, _Q_DEL, _Q_SENT, _IN_PUT, _IN_DEL):
+                parts.add(rec.split_key(op[1])[0])
+            elif kind == _SESS_DEL:
+                names.add(op[1])
+            if kind in (_Q_PUT, _IN_PUT, _RET_PUT, _OB_PUT):
+                sender = op[3].sender if kind != _RET_PUT else op[2].sender
+                if sender is not None:
+                    names.add(sender)  # its PUBACK/PUBREC waits for this change
+        return parts, names
+
+    def _report_unwritten(self, ops: list[tuple[Any, ...]]) -> None:
+        """Writer thread: hand the keys of the queue rows among ``ops`` (changes a commit did not write) to the loop,
+        ahead of that commit's ``_committed``: callbacks run in order, so the report lands before
+        ``committed_seq`` moves past those rows. Without a loop (the tools, which commit in the caller) nothing is
+        reported."""
+        keys = [op[1] for op in ops if op[0] == _Q_PUT]
+        loop = self.loop
+        if keys and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._rows_not_written, keys)
+
+    def _preallocate(self) -> None:
+        """Keep about ``_AHEAD`` bytes of written zeros past LMDB's last page, up to the map size, so that commits
+        write over allocated blocks instead of extending the file. On ext4 an fdatasync that extends a file also
+        commits the journal: measured here, a commit of 64 queued messages took ~20% less time and CPU on a file
+        written ahead (``bench/durable_cpu.py``). Runs on the writer thread between transactions and only writes
+        past the file's end, where LMDB has written nothing. A full disk is not an error here: the extension is
+        given back and LMDB's own writes report it."""
+        assert self.env is not None
+        if self._file_end >= self.map_size:
+            return  # written up to the map's end, or given up until the map grows
+        end = (self.env.info()["last_pgno"] + 1) * self._page_size
+        if end + _AHEAD // 2 <= self._file_end:
+            return
+        target = min(self.map_size, max(end, self._file_end) + _AHEAD)
+        fd = os.open(self.path / "data.mdb", os.O_WRONLY)
+        try:
+            size = pos = os.fstat(fd).st_size
+            try:
+                while pos < target:
+                    pos += os.pwrite(fd, _ZEROS[:target - pos], pos)
+                self._file_end = max(target, size)
+            except OSError as exc:
+                os.ftruncate(fd, size)
+                self._file_end = self.map_size  # not again until the map grows
+                log.warning("store: could not write %d bytes ahead in %s (%s); commits extend the file instead",
+                            target - size, self.path / "data.mdb", exc)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------------------------------ to the loop
+
+    def _committed(self, count: int, ok: bool = True, full: bool = True,
+                   owners: tuple[set[bytes], set[str]] | None = None) -> None:
+        """Loop: ``count`` batches were committed (``ok``) or not (``full``: for lack of room); ``owners``: those
+        of the changes left out (:meth:`_take_skipped`). Implemented by the store."""
+        raise NotImplementedError
+
+    def _rows_not_written(self, keys: list[bytes]) -> None:
+        """Loop: the queue rows ``keys`` were not written (:meth:`_report_unwritten`). Implemented by the store."""
+        raise NotImplementedError
