@@ -62,8 +62,9 @@ session_expiry_interval = "5 minutes"
 
 _ALLOWED_LISTENER_KEYS = (
     "await_rel_timeout, bind, cafile, capath, certfile, ciphers, connect_timeout, high_watermark, keyfile, "
-    "max_awaiting_rel, max_clientid_len, max_inflight, max_keepalive, max_mqueue_bytes, max_mqueue_len, "
-    "max_packet_size, max_subscriptions, max_topic_levels, message_expiry_interval, mqueue_store_qos0, "
+    "max_awaiting_rel, max_clientid_len, max_connections, max_inflight, max_keepalive, max_mqueue_bytes, "
+    "max_mqueue_len, max_packet_size, max_publish_rate, max_subscriptions, max_topic_length, max_topic_levels, "
+    "message_expiry_interval, mqueue_store_qos0, "
     "require_certificate, retry_interval, send_timeout, session_expiry_interval, tls_version, topic_alias_maximum, "
     "use_identity_as_username, zone"
 )
@@ -171,6 +172,17 @@ def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -
     ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_topic_levels = 70000\n",
      "listeners.x.max_topic_levels = 70000: must be an integer 0..65535 (0 = no limit)"),
     ("[broker]\nmax_sessions = \"many\"\n", "broker.max_sessions = 'many': must be an integer >= 0 (0 = no limit)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_connections = -5\n",
+     "listeners.x.max_connections = -5: must be an integer >= 0 (connected clients on this listener; 0 = no limit)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_topic_length = 65536\n",
+     "listeners.x.max_topic_length = 65536: must be an integer 0..65535 (UTF-8 bytes; 0 = no limit)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nmax_publish_rate = \"100/s\"\n",
+     "listeners.x.max_publish_rate = '100/s': must be a number >= 0 (PUBLISH packets per second per connection; "
+     "0 = no limit)"),
+    ("[broker]\nmax_retained_messages = 1.5\n",
+     "broker.max_retained_messages = 1.5: must be an integer >= 0 (0 = no limit)"),
+    ("[broker]\nmax_retained_bytes = \"lots\"\n",
+     "broker.max_retained_bytes = 'lots': must be a size such as \"64MB\" (0 = no limit)"),
     ("[listeners.x\n", None),
 ])
 def test_check_config_each_mistake_is_explained(tmp_path: Path, text: str, error: str | None) -> None:

@@ -903,10 +903,13 @@ def test_mqtt_4_7_3_1_empty_will_response_topic_refused(broker: BrokerProcess, r
 
 
 @BOTH
-def test_mqtt_4_7_3_3_longest_topic_name_and_filter(broker: BrokerProcess, raw: Raw, uid: str, version: int) -> None:
+def test_mqtt_4_7_3_3_longest_topic_name_and_filter(make_broker: Callable[[str], BrokerProcess], raw: Raw, uid: str,
+                                                    version: int) -> None:
     """MQTT-4.7.3-3: "Topic Names and Topic Filters are UTF-8 Encoded Strings; they MUST NOT encode to more than
     65,535 bytes". A Topic Name and Topic Filter of exactly 65,535 bytes (with multi-byte characters) are accepted,
-    matched and delivered unchanged."""
+    matched and delivered unchanged on a listener whose ``max_topic_length`` allows them (the default, 1,024 bytes,
+    refuses them on purpose: docs/reliability.md, Limits; tests/test_limits.py)."""
+    broker = make_broker('[listeners.external]\nbind = "127.0.0.1:0"\nmax_topic_length = 65535\n')
     head = f"{uid}/é/"
     topic = head + "x" * (65535 - len(head.encode()))
     assert len(topic.encode()) == 65535

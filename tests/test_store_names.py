@@ -44,6 +44,7 @@ sys_interval = 0
 [listeners.external]
 bind = "127.0.0.1:0"
 max_clientid_len = 65535
+max_topic_length = 65535
 """
 
 ID_600 = "hostile-" + "c" * 592  # 600 bytes

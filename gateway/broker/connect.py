@@ -10,7 +10,7 @@ import secrets
 from typing import Any
 
 from gateway.broker.inflight import pump, resend
-from gateway.broker.limits import levels_error
+from gateway.broker.limits import ZoneLimits, topic_limit_error
 from gateway.broker.message import is_utf8
 from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
@@ -60,7 +60,7 @@ def _client_id_refusal(p: Connect, client_id: str, max_len: int) -> str | None:
     return None
 
 
-def _will_refusal(core: BrokerState, p: Connect, max_levels: int) -> tuple[RC, str] | None:
+def _will_refusal(core: BrokerState, p: Connect, limits: ZoneLimits) -> tuple[RC, str] | None:
     """Why the Will Message is refused: (5.0 reason code, text), or ``None``."""
     will = p.will
     if will is None:
@@ -72,7 +72,10 @@ def _will_refusal(core: BrokerState, p: Connect, max_levels: int) -> tuple[RC, s
             require_topic(will.properties[P.RESPONSE_TOPIC], "Will Response Topic")
     except ProtocolError as exc:  # [MQTT-4.7.3-1]: 5.0 CONNACK 0x82; 3.1.1 has no return code: closed
         return exc.reason_code, str(exc)
-    error = topic_name_error(will.topic) or levels_error(will.topic, max_levels)
+    error = topic_name_error(will.topic)
+    if not error and (limited := topic_limit_error(will.topic, limits)):
+        core.stats.refused[limited[0]] += 1
+        error = limited[1]
     if error:
         return RC.TOPIC_NAME_INVALID, f"Will Topic {will.topic[:200]!r}: {error}"
     if v5 and will.properties.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(will.payload):
@@ -114,7 +117,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         client_id = "auto-" + secrets.token_hex(8)
         if v5:
             assigned = client_id
-    bad_will = _will_refusal(core, p, limits.max_topic_levels)
+    bad_will = _will_refusal(core, p, limits)
     if bad_will is not None:
         refuse(core, conn, bad_will[0], bad_will[1], now)
         return
@@ -133,6 +136,16 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         granted = max_expiry
 
     session = core.sessions.get(client_id)
+    max_conns = limits.max_connections
+    if max_conns and core.listener_clients[conn.listener] >= max_conns and (
+        session is None or session.conn is None or session.conn.listener != conn.listener
+    ):
+        # A take-over on the same listener frees a slot as it takes one; connections awaiting CONNECT are
+        # bounded by connect_timeout instead (issue 15).
+        core.stats.refused["max_connections"] += 1
+        refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_connections = {max_conns} reached on listener "
+               f"{conn.listener!r}", now)
+        return
     max_sessions = core.settings.max_sessions
     if session is None and granted and max_sessions and core.persistent_count >= max_sessions:
         # A new persistent session past the cap; resuming or taking over an existing one is always allowed,
@@ -242,4 +255,5 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
     conn.state = CONNECTED
     conn.connected_at = now
     core.stats.clients_connected += 1
+    core.listener_clients[conn.listener] += 1
     core.stats.clients_maximum = max(core.stats.clients_maximum, core.stats.clients_connected)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from gateway.broker.limits import levels_error
+from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
 from gateway.broker.output import send
 from gateway.broker.qos2 import duplicate, received
@@ -30,6 +30,9 @@ _STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
     session = conn.session
     assert session is not None
+    rate = conn.limits.max_publish_rate
+    if rate:
+        spend_publish_token(core, conn, rate, now)
     topic = p.topic
     props = p.properties
     v5 = conn.version == MQTT_5
@@ -78,12 +81,31 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     if topic == "$SYS" or topic.startswith("$SYS/"):
         reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
         return
-    max_levels = conn.limits.max_topic_levels
-    if max_levels and topic.count("/") >= max_levels:
-        reject(core, conn, p, RC.TOPIC_NAME_INVALID, str(levels_error(topic, max_levels)), counter="max_topic_levels")
-        return
-    if p.retain and not core.settings.retain_available:
-        raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
+    limits = conn.limits
+    max_levels = limits.max_topic_levels
+    max_len = limits.max_topic_length
+    # Pre-filter so the common topic costs two comparisons; topic_limit_error decides (as for SUBSCRIBE, Wills).
+    if (max_levels and topic.count("/") >= max_levels) or (max_len and 4 * len(topic) > max_len):
+        limited = topic_limit_error(topic, limits)
+        if limited is not None:
+            reject(core, conn, p, RC.TOPIC_NAME_INVALID, limited[1], counter=limited[0])
+            return
+    retain = p.retain
+    if retain:
+        if not core.settings.retain_available:
+            raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
+        settings = core.settings
+        limit = core.retained.refusal(topic, p.payload, settings.max_retained_messages, settings.max_retained_bytes)
+        if limit is not None:
+            text = f"{limit} = {getattr(settings, limit)} reached"
+            if qos and v5:
+                reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
+                return
+            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained (issue 15).
+            retain = False
+            core.stats.refused[limit] += 1
+            core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
+                              conn.peer, conn.client_id, topic[:200], text)
     if qos and not core.store.has_room(conn.client_id):
         refuse_unstored(core, conn, p, True, now)
         return
@@ -98,7 +120,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         if len(core.topics) >= 10_000:
             core.topics.clear()
         interned = core.topics[topic] = topic
-    message = Message(core.new_mid(), interned, p.payload, qos, p.retain, props, now, expires_at, conn.client_id)
+    message = Message(core.new_mid(), interned, p.payload, qos, retain, props, now, expires_at, conn.client_id)
     if qos == 0:
         publish(core, message, now)
     elif qos == 1:
@@ -108,6 +130,30 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         core.store.when_durable(partial(_puback, core, conn, pid, reason), partial(_failed, core, conn, p, now, None))
     else:
         received(core, conn, session, pid, message, now, partial(_failed, core, conn, p, now))  # type: ignore[arg-type]
+
+
+def spend_publish_token(core: BrokerState, conn: Connection, rate: float, now: float) -> None:
+    """``max_publish_rate``: take one token from ``conn``'s bucket (``rate`` tokens a second, holding at most one
+    second's worth, at least 1). The PUBLISH is handled anyway (its bytes are read); a debt sets
+    ``conn.paused_until``, when the bucket is back at zero, and the I/O layer stops reading from the connection
+    until then, so the connection's average rate is ``rate`` (Mosquitto and EMQX throttle the same way, never
+    disconnect). Each pause is counted (``$SYS/broker/refused/max_publish_rate``) and logged at most once a
+    minute per client address."""
+    tokens = conn.tokens + (now - conn.tokens_at) * rate
+    burst = rate if rate > 1.0 else 1.0
+    if tokens > burst:
+        tokens = burst
+    conn.tokens_at = now
+    tokens -= 1.0
+    conn.tokens = tokens
+    if tokens >= 0.0:
+        return
+    if conn.paused_until <= now:  # a new pause, not the same read's debt growing
+        core.stats.refused["max_publish_rate"] += 1
+        core.rlog.warning(now, peer_host(conn.peer), "max_publish_rate",
+                          "%s (%s): more than max_publish_rate = %g PUBLISH/s; reading paused", conn.peer,
+                          conn.client_id, rate)
+    conn.paused_until = now - tokens / rate
 
 
 def _failed(

@@ -50,6 +50,16 @@ class ZoneLimits:
             output plus ``max_mqueue_bytes``.
         send_timeout: seconds a busy connection may go without its socket draining below the low-water mark
             (a quarter of ``high_watermark``) before it is closed (EMQX's ``send_timeout``); 0 = never.
+        max_connections: connected clients on this listener at once (Mosquitto's and EMQX's
+            ``max_connections``); one more CONNECT gets CONNACK 0x97 Quota exceeded (3.1.1: 0x03 Server
+            unavailable) and is closed; a take-over on the same listener is always allowed; 0 = no limit.
+            Connections still awaiting CONNECT are bounded by ``connect_timeout`` instead (issue 15).
+        max_topic_length: longest Topic Name or Topic Filter, UTF-8 bytes (the protocol allows 65535); refused
+            as ``max_topic_levels`` is; 0 = no limit. Every queued message holds its topic, so this bounds a
+            Message Queue's topic bytes too.
+        max_publish_rate: PUBLISH packets a second one connection may send, a token bucket holding one second's
+            worth (burst); past it the broker stops reading from that connection for as long as the debt takes
+            to pay back (Mosquitto's and EMQX's way: throttle, never disconnect); 0 = no limit.
     """
 
     max_inflight: int = 32
@@ -70,6 +80,9 @@ class ZoneLimits:
     max_topic_levels: int = 128
     high_watermark: int = 1024 * 1024
     send_timeout: float = 15.0
+    max_connections: int = 10_000
+    max_topic_length: int = 1024
+    max_publish_rate: float = 0.0
 
     def window(self, receive_maximum: int | None) -> int:
         """The Inflight Window length for a client: ``max_inflight`` capped by its Receive Maximum (seed 000)."""
@@ -79,10 +92,16 @@ class ZoneLimits:
         return limit
 
 
-def levels_error(topic: str, max_levels: int) -> str | None:
-    """Why ``topic`` (a Topic Name or Filter) has too many levels for ``max_topic_levels``, or ``None``."""
+def topic_limit_error(topic: str, limits: ZoneLimits) -> tuple[str, str] | None:
+    """Which limit ``topic`` (a Topic Name or Filter) is past, ``max_topic_levels`` or ``max_topic_length``,
+    and why: ``(limit name, text)``, or ``None``. The one check for PUBLISH, SUBSCRIBE and the Will Topic."""
+    max_levels = limits.max_topic_levels
     if max_levels and topic.count("/") >= max_levels:
-        return f"more than max_topic_levels = {max_levels} topic levels"
+        return "max_topic_levels", f"more than max_topic_levels = {max_levels} topic levels"
+    max_len = limits.max_topic_length
+    # Characters first: a str of n characters is n to 4n UTF-8 bytes, so most topics need no encoding.
+    if max_len and (len(topic) > max_len or (4 * len(topic) > max_len and len(topic.encode()) > max_len)):
+        return "max_topic_length", f"longer than max_topic_length = {max_len} bytes"
     return None
 
 
@@ -104,9 +123,16 @@ class BrokerSettings:
         max_sessions: sessions with a Session Expiry Interval > 0 (3.1.1: Clean Session 0) the broker holds at
             once, online and offline; a CONNECT that would create one more gets CONNACK 0x97 Quota exceeded
             (3.1.1: 0x03 Server unavailable); resuming an existing session is always allowed; 0 = no limit.
+        max_retained_messages: retained messages held (``$SYS`` not counted); a new retained topic past it is
+            refused: MQTT 5 QoS 1/2 PUBACK/PUBREC 0x97, QoS 0 and 3.1.1 delivered but not retained. Replacing or
+            clearing a retained message always works when it does not grow past a limit; 0 = no limit.
+        max_retained_bytes: payload plus UTF-8 topic bytes of all retained messages (held in memory and in the
+            store), same refusal; 0 = no limit.
     """
 
     sys_interval: float = 10.0
     retain_available: bool = True
     max_sessions: int = 10_000
+    max_retained_messages: int = 10_000
+    max_retained_bytes: int = 64 * 1024 * 1024
     zones: dict[str, ZoneLimits] = field(default_factory=lambda: dict(ZONE_DEFAULTS))

@@ -101,8 +101,17 @@ def _pick_shared(core: BrokerState, group: SharedGroup) -> SubscriptionRecord | 
 
 def retain(core: BrokerState, message: Message) -> None:
     """Make ``message`` its topic's retained message (an empty payload clears it, MQTT 5.0 §3.3.1.3)."""
-    if not core.settings.retain_available:
+    settings = core.settings
+    if not settings.retain_available:
         return
+    if message.payload and not message.topic.startswith("$SYS/"):
+        # A client's PUBLISH was checked already (inbound.py refuses or un-retains it); Wills and the upstream
+        # downlink are only not retained past the limit, and counted.
+        limit = core.retained.refusal(message.topic, message.payload, settings.max_retained_messages,
+                                      settings.max_retained_bytes)
+        if limit is not None:
+            core.stats.refused[limit] += 1
+            return
     core.retained.set(message)
     if message.topic.startswith("$SYS/"):
         return

@@ -170,25 +170,63 @@ class SubscriptionTree:
                 self._walk(plus, levels, i + 1, subs, groups, dollar)
 
 
-class RetainedMessages:
-    """The retained message per topic (MQTT 5.0 §3.3.1.3): set, replaced, cleared by an empty payload."""
+def retained_size(topic: str, payload: bytes) -> int:
+    """Bytes a retained message counts against ``max_retained_bytes``: payload plus UTF-8 topic."""
+    return len(payload) + len(topic.encode())
 
-    __slots__ = ("_by_topic",)
+
+class RetainedMessages:
+    """The retained message per topic (MQTT 5.0 §3.3.1.3): set, replaced, cleared by an empty payload.
+
+    Attributes:
+        count / size: retained messages outside ``$SYS`` and their :func:`retained_size` total, bytes, for
+            ``max_retained_messages`` / ``max_retained_bytes`` (the broker's own ``$SYS`` values are not limited).
+    """
+
+    __slots__ = ("_by_topic", "count", "size")
 
     def __init__(self) -> None:
         self._by_topic: dict[str, Message] = {}
+        self.count = 0
+        self.size = 0
 
     def __len__(self) -> int:
         return len(self._by_topic)
+
+    def _forget(self, old: Message | None) -> Message | None:
+        if old is not None and not old.topic.startswith("$SYS/"):
+            self.count -= 1
+            self.size -= retained_size(old.topic, old.payload)
+        return old
 
     def set(self, message: Message) -> Message | None:
         """Store ``message`` as the topic's retained message, or clear it when the payload is empty
         [MQTT-3.3.1-6] [MQTT-3.3.1-7]; return the message it replaced."""
         if not message.payload:
-            return self._by_topic.pop(message.topic, None)
-        old = self._by_topic.get(message.topic)
+            return self._forget(self._by_topic.pop(message.topic, None))
+        old = self._forget(self._by_topic.get(message.topic))
         self._by_topic[message.topic] = message
+        if not message.topic.startswith("$SYS/"):
+            self.count += 1
+            self.size += retained_size(message.topic, message.payload)
         return old
+
+    def refusal(self, topic: str, payload: bytes, max_messages: int, max_bytes: int) -> str | None:
+        """The limit (``"max_retained_messages"`` or ``"max_retained_bytes"``; 0 = none) that retaining
+        ``payload`` on ``topic`` would pass, or ``None``. Clearing (empty payload) never passes one; replacing
+        counts the difference."""
+        if not payload or (not max_messages and not max_bytes):
+            return None
+        old = self._by_topic.get(topic)
+        if max_messages and old is None and self.count >= max_messages:
+            return "max_retained_messages"
+        if max_bytes:
+            grown = self.size + retained_size(topic, payload)
+            if old is not None:
+                grown -= retained_size(old.topic, old.payload)
+            if grown > max_bytes:
+                return "max_retained_bytes"
+        return None
 
     def get(self, topic: str) -> Message | None:
         """The retained message of ``topic``, or ``None``."""
@@ -196,7 +234,7 @@ class RetainedMessages:
 
     def remove(self, topic: str) -> Message | None:
         """Forget the retained message of ``topic`` (expired); return it."""
-        return self._by_topic.pop(topic, None)
+        return self._forget(self._by_topic.pop(topic, None))
 
     def matching(self, topic_filter: str) -> list[Message]:
         """Retained messages whose topic matches ``topic_filter``, in topic order."""

@@ -118,6 +118,9 @@ class Connection:
             :meth:`Broker.resume` until this is False.
         cert_cn: the CN of the client certificate verified on a TLS listener (``use_identity_as_username``), or
             ``None``; set by the I/O layer before any byte is received.
+        tokens / tokens_at: the ``max_publish_rate`` token bucket (tokens, and when it was last filled).
+        paused_until: wall-clock seconds until which the I/O layer must not read from this connection
+            (``max_publish_rate``); the Keep Alive check counts from then.
     """
 
     __slots__ = (
@@ -139,6 +142,7 @@ class Connection:
         "out",
         "paused",
         "paused_at",
+        "paused_until",
         "peer",
         "pending",
         "pending_acks",
@@ -147,6 +151,8 @@ class Connection:
         "request_problem_info",
         "session",
         "state",
+        "tokens",
+        "tokens_at",
         "topic_alias_max",
         "version",
         "will",
@@ -184,6 +190,9 @@ class Connection:
         self.pending_acks: list[int] = []
         self.pending_data = b""
         self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
+        self.tokens = max(limits.max_publish_rate, 1.0)  # a full bucket (max_publish_rate, inbound.py)
+        self.tokens_at = now
+        self.paused_until = 0.0
 
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"

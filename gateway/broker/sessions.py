@@ -41,6 +41,7 @@ def detach(core: BrokerState, conn: Connection, now: float, publish_will: bool) 
     session.conn = None
     core.congested.discard(session)
     core.stats.clients_connected -= 1
+    core.listener_clients[conn.listener] -= 1
     delay = 0
     if will is not None and publish_will and conn.version == MQTT_5:
         delay = will.properties.get(P.WILL_DELAY_INTERVAL, 0)

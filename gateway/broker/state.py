@@ -87,6 +87,8 @@ class BrokerState:
         self.rlog = RateLimitedLog(log)
         #: Sessions with a Session Expiry Interval > 0 held, online and offline (``max_sessions``).
         self.persistent_count = 0
+        #: Connected clients per listener name (``max_connections``).
+        self.listener_clients: Counter[str] = Counter()
         self.next_sys = now
         self.next_sweep = now
         #: One str per topic name shared by queued messages (memory).

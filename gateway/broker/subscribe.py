@@ -5,7 +5,7 @@ messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
 from __future__ import annotations
 
 from gateway.broker.delivery import deliver
-from gateway.broker.limits import levels_error
+from gateway.broker.limits import topic_limit_error
 from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import suback_failure
@@ -41,8 +41,9 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
             error = None
             if sub.no_local:
                 raise ProtocolError("No Local on a Shared Subscription [MQTT-3.8.3-4]")
-        if not error:
-            error = levels_error(inner, limits.max_topic_levels)
+        if not error and (limited := topic_limit_error(inner, limits)):
+            core.stats.refused[limited[0]] += 1
+            error = limited[1]
         if error:
             core.rlog.info(
                 now,

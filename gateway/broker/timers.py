@@ -53,7 +53,7 @@ def run(core: BrokerState, now: float) -> None:
             conn.abort = True
             close(core, conn, now, publish_will=True)
             continue
-        if conn.keep_alive and now - conn.last_rx >= 1.5 * conn.keep_alive:
+        if conn.keep_alive and now - max(conn.last_rx, conn.paused_until) >= 1.5 * conn.keep_alive:
             # [MQTT-3.1.2-24] (3.1.1) / [MQTT-3.1.2-22] (5.0): one and a half times the Keep Alive.
             log.info("%s (%s): Keep Alive of %d s expired; closing", conn.peer, conn.client_id, conn.keep_alive)
             packet = disconnect(conn.version, RC.KEEP_ALIVE_TIMEOUT)

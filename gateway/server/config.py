@@ -117,13 +117,21 @@ _LIMIT_KEYS: dict[str, ValueSpec] = {
     "max_topic_levels": ("int", 0, 65535, "an integer 0..65535 (0 = no limit)"),
     "high_watermark": ("size", 4096, 2**31, 'a size of at least 4KB such as "1MB"'),
     "send_timeout": ("duration", 0, 86400, 'a duration such as "15s" (0 = never)'),
+    "max_connections": ("int", 0, 2**31, "an integer >= 0 (connected clients on this listener; 0 = no limit)"),
+    "max_topic_length": ("int", 0, 65535, "an integer 0..65535 (UTF-8 bytes; 0 = no limit)"),
+    "max_publish_rate": ("number", 0, 10**9, "a number >= 0 (PUBLISH packets per second per connection; 0 = no limit)"),
 }
 # TLS keys of a listener, Mosquitto's names (mosquitto.conf(5)); gateway/auth/tls.py says what each does
 _TLS_PATH_KEYS = ("certfile", "keyfile", "cafile", "capath")
 _TLS_BOOL_KEYS = ("require_certificate", "use_identity_as_username")
 _TLS_KEYS = (*_TLS_PATH_KEYS, *_TLS_BOOL_KEYS, "tls_version", "ciphers")
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS, *_TLS_KEYS}
-_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id", "max_sessions"}
+_BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id", "max_sessions",
+                "max_retained_messages", "max_retained_bytes"}
+_RETAINED_LIMITS: dict[str, ValueSpec] = {
+    "max_retained_messages": ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"),
+    "max_retained_bytes": ("size", 0, 2**40, 'a size such as "64MB" (0 = no limit)'),
+}
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
 _BIND: ValueSpec = ("address", 0, 65535, ADDRESS_ALLOWED)
@@ -182,6 +190,10 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"broker.retain_available = {value!r}: must be true or false")
             else:
                 cfg.broker.retain_available = value
+        elif key in _RETAINED_LIMITS:
+            parsed = check_value("broker", key, value, errors, _RETAINED_LIMITS[key])
+            if parsed is not None:
+                setattr(cfg.broker, key, parsed)
         elif key == "max_sessions":
             parsed = check_value("broker", key, value, errors, ("int", 0, 2**31, "an integer >= 0 (0 = no limit)"))
             if parsed is not None:

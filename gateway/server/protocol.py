@@ -37,6 +37,7 @@ class BrokerIO:
         self._ticker: asyncio.Task[None] | None = None
         self.open_connections: set[MQTTProtocol] = set()
         self.throttled: set[MQTTProtocol] = set()  # publishers paused while a consumer is congested
+        self.rate_paused: set[MQTTProtocol] = set()  # reading paused until Connection.paused_until (max_publish_rate)
         #: The transport of each open connection of the broker (the core never holds one).
         self.transports: dict[Connection, Any] = {}
         self.last_tick = time.monotonic()
@@ -105,7 +106,7 @@ class BrokerIO:
             conn = proto.conn
             if not congested or conn is None or conn.session in congested:
                 self.throttled.discard(proto)
-                if proto.transport is not None:
+                if proto.transport is not None and proto not in self.rate_paused:
                     proto.transport.resume_reading()
 
     def start_ticker(self, interval: float = 1.0) -> None:
@@ -182,8 +183,8 @@ class MQTTProtocol(asyncio.Protocol):
         io = self.io
         broker, transport = io.broker, self.transport
         published = broker.stats.publish_received
+        now = time.time()
         try:
-            now = time.time()
             broker.receive(conn, data, now)
             while conn.pending:
                 # A long run of PUBACKs: what its first parts let into the window goes out now, so the client
@@ -201,7 +202,28 @@ class MQTTProtocol(asyncio.Protocol):
             # Flow control: stop reading this publisher until the congested consumers catch up.
             transport.pause_reading()
             io.throttled.add(self)
+        if conn.paused_until > now and self not in io.rate_paused and transport is not None \
+                and not transport.is_closing():
+            # max_publish_rate: the core says until when (sans-I/O); one timer per pause.
+            transport.pause_reading()
+            io.rate_paused.add(self)
+            io.loop.call_later(conn.paused_until - now, self._rate_pause_over)
         io.schedule_flush()
+
+    def _rate_pause_over(self) -> None:
+        """The ``max_publish_rate`` pause passed: read again (unless the debt grew meanwhile, or a congested
+        consumer still holds this publisher back: :meth:`BrokerIO.release_throttled` resumes it then)."""
+        io, conn, transport = self.io, self.conn, self.transport
+        if conn is None or transport is None or transport.is_closing():
+            io.rate_paused.discard(self)
+            return
+        delay = conn.paused_until - time.time()
+        if delay > 0:
+            io.loop.call_later(delay, self._rate_pause_over)
+            return
+        io.rate_paused.discard(self)
+        if self not in io.throttled:
+            transport.resume_reading()
 
     def pause_writing(self) -> None:
         if self.conn is not None:
@@ -215,6 +237,7 @@ class MQTTProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.io.open_connections.discard(self)
         self.io.throttled.discard(self)
+        self.io.rate_paused.discard(self)
         conn = self.conn
         if conn is None:
             return
