@@ -271,6 +271,11 @@ class Broker(BrokerState):
         sessions.close(self, conn, now, publish_will=True)
 
     def _unsupported_version(self, conn: Connection, exc: UnsupportedProtocolVersion, now: float) -> None:
+        if conn.state == CONNECTED:
+            # A second CONNECT, whatever Protocol Level it names, is a Protocol Error [MQTT-3.1.0-2]: DISCONNECT
+            # 0x82 (5.0), not a CONNACK after the CONNACK (found by tests/fuzzing.py).
+            self._protocol_error(conn, ProtocolError("a second CONNECT on the same connection [MQTT-3.1.0-2]"), now)
+            return
         self.rlog.warning(now, peer_host(conn.peer), "unsupported_version", "%s: %s", conn.peer, exc)
         answer = unsupported_version_connack(exc.level)
         if answer is not None:
