@@ -1,0 +1,50 @@
+"""``make fuzz``: the in-process fuzz target (tests/fuzzing.py) under atheris (libFuzzer's coverage-guided
+mutation of the input bytes; issue 15). Runs at least ``-runs`` inputs (default 1,000,000) and stops at the first
+input that breaks an invariant or lets an exception escape the broker, saving it as ``crash-<sha1>`` under
+``-artifact_prefix`` (default ``./var/fuzz/``). Reproduce one with ``.venv/bin/python tests/fuzz_main.py FILE``.
+
+Usage: .venv/bin/python tests/fuzz_main.py [libFuzzer flags, e.g. -runs=1000000 -seed=1 -max_len=600]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import atheris
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+with atheris.instrument_imports(include=["gateway", "fuzzing"]):
+    import fuzzing
+
+RUNS = 1_000_000
+
+
+def one_input(data: bytes) -> None:
+    """libFuzzer's entry point: one input through the harness."""
+    fuzzing.run_input(data)
+
+
+def main() -> None:
+    logging.disable(logging.CRITICAL)  # every protocol error would log a line
+    args = list(sys.argv)
+    if not any(a.startswith("-runs=") for a in args[1:]) and not any(os.path.isfile(a) for a in args[1:]):
+        args.append(f"-runs={RUNS}")
+    if not any(a.startswith("-max_len=") for a in args[1:]):
+        args.append("-max_len=600")
+    if not any(a.startswith("-artifact_prefix=") for a in args[1:]):
+        os.makedirs("var/fuzz", exist_ok=True)
+        args.append("-artifact_prefix=var/fuzz/")
+    started = time.monotonic()
+    atheris.Setup(args, one_input)
+    try:
+        atheris.Fuzz()
+    finally:
+        print(f"fuzz: {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
