@@ -128,6 +128,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
             tls = f", TLS ({lc.tls.tls_version} minimum{', client certificates required' * lc.tls.require_certificate})"
         print(f"listener {lc.name}: bind {lc.bind}, max_inflight {lc.limits.max_inflight}, "
               f"max_mqueue_len {lc.limits.max_mqueue_len}{tls}")
+        print(f"listener {lc.name}: {lc.auth.describe()}")
     for up in config.upstreams:
         print(f"upstream {up.name}: {up.url} as {up.client_id!r}, {len(up.forward)} forward and {len(up.subscribe)} "
               f"subscribe rule(s), order {up.order}")

@@ -61,10 +61,11 @@ session_expiry_interval = "5 minutes"
 """
 
 _ALLOWED_LISTENER_KEYS = (
-    "await_rel_timeout, bind, cafile, capath, certfile, ciphers, connect_timeout, high_watermark, keyfile, "
+    "acl_file, allow_anonymous, await_rel_timeout, bind, cafile, capath, certfile, ciphers, connect_timeout, "
+    "high_watermark, keyfile, "
     "max_awaiting_rel, max_clientid_len, max_connections, max_inflight, max_keepalive, max_mqueue_bytes, "
     "max_mqueue_len, max_packet_size, max_publish_rate, max_subscriptions, max_topic_length, max_topic_levels, "
-    "message_expiry_interval, mqueue_store_qos0, "
+    "message_expiry_interval, mqueue_store_qos0, password_file, "
     "require_certificate, retry_interval, send_timeout, session_expiry_interval, tls_version, topic_alias_maximum, "
     "use_identity_as_username, zone"
 )
@@ -129,7 +130,9 @@ def test_check_config_good_file_exits_0_and_summarises_listeners(tmp_path: Path)
     assert result.stderr == ""
     assert result.stdout.splitlines() == [
         "listener external: bind 127.0.0.1:1883, max_inflight 16, max_mqueue_len 500",
+        "listener external: anonymous allowed (default: loopback or Unix socket bind)",
         "listener internal: bind 127.0.0.1:1884, max_inflight 128, max_mqueue_len 10000",
+        "listener internal: anonymous allowed (default: loopback or Unix socket bind)",
         f"{path}: OK",
     ]
     assert list(tmp_path.iterdir()) == [path]  # nothing started, no store created

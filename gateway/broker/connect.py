@@ -9,13 +9,14 @@ import logging
 import secrets
 from typing import Any
 
+from gateway.broker.access import authenticate, client_rules, listener_access, redecide
 from gateway.broker.inflight import pump, resend
 from gateway.broker.limits import ZoneLimits, topic_limit_error
 from gateway.broker.message import is_utf8
 from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect
-from gateway.broker.session import CONNECTED, NEVER, Connection, Session
+from gateway.broker.session import AWAITING_CONNECT, CONNECTED, HELD, NEVER, Connection, Session
 from gateway.broker.sessions import close, end_session, expire_session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
@@ -96,6 +97,49 @@ def _take_over(core: BrokerState, conn: Connection, session: Session, now: float
     close(core, old, now, publish_will=True)
 
 
+def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
+    """Hold the CONNECT ``p`` when its address is throttled after failed attempts (issue 15): the connection
+    waits in state :data:`HELD` until ``held_until``, when :meth:`Broker.tick` hands it to :func:`on_connect`
+    (with the packets that arrived meanwhile). Held before it is checked, whatever its password, so its answer
+    cannot be timed. True when held."""
+    throttle = core.settings.throttle
+    if throttle is None:
+        return False
+    delay = throttle.delay(peer_host(conn.peer), now)
+    if delay <= 0:
+        return False
+    core.stats.refused["auth_throttled"] += 1
+    conn.state = HELD
+    conn.held = [p]
+    conn.held_until = now + delay
+    core.held.add(conn)
+    return True
+
+
+def _authorise(core: BrokerState, conn: Connection, p: Connect, client_id: str, now: float) -> tuple[Any, Any]:
+    """Authenticate the CONNECT and check its Will Topic against the ACL (:mod:`gateway.broker.access`):
+    ``(user name, ACL rules)``, or the connection refused (0x86 / 0x87; 3.1.1: 4 / 5) and closed
+    [MQTT-3.1.4-2]. A refused authentication counts against the address (the failure throttle)."""
+    access = listener_access(core, conn.listener)
+    user, denied, why = authenticate(access, p.username, p.password, conn.cert_cn)
+    throttle = core.settings.throttle
+    if denied is not None:
+        if throttle is not None:
+            throttle.failure(peer_host(conn.peer), now)
+        core.stats.refused["auth_" + denied.name.lower()] += 1
+        refuse(core, conn, denied, why, now)
+        return None, None
+    if user is not None and throttle is not None:
+        throttle.success(peer_host(conn.peer))
+    rules = client_rules(access, user, client_id)
+    will = p.will
+    if will is not None and rules is not None and not rules.may_publish(will.topic):
+        # Refused rather than dropped later: the client learns now that its Will would never be published.
+        core.stats.refused["will_not_authorized"] += 1
+        refuse(core, conn, RC.NOT_AUTHORIZED, f"Will Topic {will.topic[:200]!r}: not allowed by the acl_file", now)
+    return user, rules
+
+
 def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> None:
     v5 = p.protocol_level == MQTT_5
     conn.version = MQTT_5 if v5 else 4
@@ -121,6 +165,9 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     if bad_will is not None:
         refuse(core, conn, bad_will[0], bad_will[1], now)
         return
+    user, rules = _authorise(core, conn, p, client_id, now)
+    if conn.state != AWAITING_CONNECT:
+        return  # refused
 
     # Session Expiry Interval: 5.0 from the CONNECT (capped), 3.1.1 from Clean Session.
     requested: float
@@ -154,6 +201,17 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_sessions = {max_sessions} persistent sessions reached", now)
         return
 
+    if (
+        session is not None
+        and session.username is not None
+        and session.username != user
+        and not (session.conn is None and session.expires_at is not None and now >= session.expires_at)
+    ):
+        # Only its own user may take over or resume an authenticated user's session (issue 15; stricter than
+        # Mosquitto, which lets any client take over any Client Identifier): 0x87 / 3.1.1 return code 5.
+        core.stats.refused["takeover_not_authorized"] += 1
+        refuse(core, conn, RC.NOT_AUTHORIZED, "the Client Identifier belongs to another user's session", now)
+        return
     if session is not None and session.conn is not None:
         _take_over(core, conn, session, now)
         session = core.sessions.get(client_id)
@@ -179,6 +237,9 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     else:
         session = Session(client_id, limits)
         core.sessions[client_id] = session
+    session.username, session.listener, session.acl = user, conn.listener, rules
+    conn.username = user
+    redecide(core, session)  # a resumed session's subscriptions, under this connection's rules
     _attach(core, conn, session, granted, now)
     conn.will = p.will
     keep_alive = p.keep_alive

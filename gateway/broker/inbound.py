@@ -78,6 +78,12 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
         reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
         return
+    acl = session.acl  # None without an acl_file: one comparison, nothing else (issue 15)
+    if acl is not None and not acl.may_publish(topic):
+        # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
+        # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
+        reject(core, conn, p, RC.NOT_AUTHORIZED, "not allowed by the acl_file", counter="acl_denied")
+        return
     if topic == "$SYS" or topic.startswith("$SYS/"):
         reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.broker.access import may_read
 from gateway.broker.delivery import deliver
 from gateway.broker.message import NO_IDS, Message
 from gateway.broker.routing import SharedGroup, SubscriptionRecord
@@ -27,6 +28,10 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
     subs, groups = core.tree.match(message.topic)
     if not subs and not groups:
         return count
+    if core.read_checks:  # an acl_file exists: subscriptions decided PARTIAL check read (gateway/broker/access.py)
+        subs = [r for r in subs if may_read(core.sessions[r.client_id], r.key, message.topic)]
+        if not subs and not groups:
+            return count
     sender = message.sender
     sessions = core.sessions
     if len(subs) == 1 and not groups:
@@ -67,7 +72,7 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
         count += 1
     for group in groups:
         rec = _pick_shared(core, group)
-        if rec is None:
+        if rec is None or (core.read_checks and not may_read(sessions[rec.client_id], rec.key, message.topic)):
             continue
         deliver(
             core,

@@ -8,6 +8,8 @@ subscriptions (seeds 000-004).
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import MessageQueue
@@ -22,6 +24,8 @@ NEVER = 0xFFFFFFFF
 AWAITING_CONNECT = 0
 CONNECTED = 1
 CLOSED = 2
+#: CONNECT received and held by the failure throttle until ``Connection.held_until`` (issue 15)
+HELD = 3
 
 
 class Session:
@@ -36,9 +40,15 @@ class Session:
             times for ``await_rel_timeout``.
         expires_at: wall-clock seconds when an offline session ends, else ``None``.
         will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.
+        username: the verified user name of the client that owns the session (``None``: anonymous); another
+            user may not take the session over (issue 15). Kept in the store.
+        listener: the name of the listener its client last connected on (whose ``acl_file`` applies).
+        acl: its ACL rules (``gateway.broker.access.ClientRules``), ``None`` without an ``acl_file``.
+        partial: keys of its subscriptions decided PARTIAL (checked per message, :mod:`gateway.broker.access`).
     """
 
     __slots__ = (
+        "acl",
         "awaiting_rel",
         "client_id",
         "conn",
@@ -47,10 +57,13 @@ class Session:
         "held_sends",
         "inflight",
         "limits",
+        "listener",
         "mqueue",
         "next_packet_id",
+        "partial",
         "protocol_level",
         "subscriptions",
+        "username",
         "will",
         "will_at",
     )
@@ -70,6 +83,10 @@ class Session:
         self.will: Will | None = None
         self.will_at: float | None = None
         self.protocol_level = 4
+        self.username: str | None = None
+        self.listener = ""
+        self.acl: Any = None
+        self.partial: set[str] = set()
 
     @property
     def persistent(self) -> bool:
@@ -118,6 +135,9 @@ class Connection:
             :meth:`Broker.resume` until this is False.
         cert_cn: the CN of the client certificate verified on a TLS listener (``use_identity_as_username``), or
             ``None``; set by the I/O layer before any byte is received.
+        username: the verified user name once CONNECT is accepted (``None``: anonymous).
+        held / held_until: packets received while the CONNECT (the first of them) is held by the failure
+            throttle, and when it is released (wall-clock seconds; state :data:`HELD`).
         tokens / tokens_at: the ``max_publish_rate`` token bucket (tokens, and when it was last filled).
         paused_until: wall-clock seconds until which the I/O layer must not read from this connection
             (``max_publish_rate``); the Keep Alive check counts from then.
@@ -131,6 +151,8 @@ class Connection:
         "client_id",
         "close_after_flush",
         "connected_at",
+        "held",
+        "held_until",
         "inbound_pending",
         "keep_alive",
         "last_ack_at",
@@ -154,6 +176,7 @@ class Connection:
         "tokens",
         "tokens_at",
         "topic_alias_max",
+        "username",
         "version",
         "will",
         "window",
@@ -190,6 +213,9 @@ class Connection:
         self.pending_acks: list[int] = []
         self.pending_data = b""
         self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
+        self.username: str | None = None
+        self.held: list[Any] = []
+        self.held_until = 0.0
         self.tokens = max(limits.max_publish_rate, 1.0)  # a full bucket (max_publish_rate, inbound.py)
         self.tokens_at = now
         self.paused_until = 0.0

@@ -91,6 +91,11 @@ class BrokerState:
         self.listener_clients: Counter[str] = Counter()
         self.next_sys = now
         self.next_sweep = now
+        #: Some listener has an ``acl_file``: routing checks ``read`` for subscriptions decided PARTIAL
+        #: (:mod:`gateway.broker.access`); False costs routing nothing.
+        self.read_checks = any(a.acl is not None for a in self.settings.access.values())
+        #: Connections whose CONNECT is held by the failure throttle (``Connection.held_until``).
+        self.held: set[Connection] = set()
         #: One str per topic name shared by queued messages (memory).
         self.topics: dict[str, str] = {}
         #: The encoded PUBLISH variants of the message last sent (output.write_publish).

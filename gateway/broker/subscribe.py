@@ -4,6 +4,7 @@ messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
 
 from __future__ import annotations
 
+from gateway.broker.access import decide, may_read
 from gateway.broker.delivery import deliver
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.output import send
@@ -75,11 +76,24 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
             )
             codes.append(suback_failure(conn.version, RC.QUOTA_EXCEEDED))
             continue
+        # Decided once per subscription (issue 15): NONE refused, ALL never checked again, PARTIAL per message.
+        readable = decide(session.acl, inner)
+        if readable == "none":
+            core.stats.refused["acl_subscribe"] += 1
+            core.rlog.info(now, peer_host(conn.peer), "subscribe_not_authorized",
+                           "%s (%s): SUBSCRIBE %r refused: no topic it matches is readable (acl_file)", conn.peer,
+                           conn.client_id, sub.topic_filter[:200])
+            codes.append(suback_failure(conn.version, RC.NOT_AUTHORIZED))
+            continue
         record = SubscriptionRecord(
             session.client_id, inner, sub.qos, sub.no_local, sub.retain_as_published, sub.retain_handling, sub_id, group
         )
         existed = core.tree.add(record)
         session.subscriptions[record.key] = record
+        if readable == "all":
+            session.partial.discard(record.key)
+        else:
+            session.partial.add(record.key)
         if session.persistent:
             core.store.subscription_saved(session.client_id, record)
         codes.append(sub.qos)
@@ -94,8 +108,8 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         send(core, conn, Suback(pid, codes))
         for record in retained:
             for message in core.retained.matching(record.topic_filter):
-                if message.expired(now):
-                    continue
+                if message.expired(now) or not may_read(session, record.key, message.topic):
+                    continue  # retained messages obey read too (issue 15)
                 # A retained message sent because of a new subscription has RETAIN=1 [MQTT-3.3.1-8].
                 ids = [record.sub_id] if record.sub_id is not None else []
                 deliver(core, session, message, min(message.qos, record.qos), True, ids, now)
@@ -109,6 +123,7 @@ def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: flo
     codes: list[int] = []
     for topic_filter in p.topic_filters:
         record = session.subscriptions.pop(topic_filter, None)
+        session.partial.discard(topic_filter)
         if record is None:
             codes.append(RC.NO_SUBSCRIPTION_EXISTED)
             continue

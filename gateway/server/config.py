@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.auth.tls import TLS_VERSIONS, TlsConfigError, TlsSettings, build_server_context
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
+from gateway.server.access import AUTH_KEYS, AuthConfig, load_auth
 from gateway.store.lmdb_store import StoreSettings
 from gateway.values import ADDRESS_ALLOWED, ValueSpec, check_value, is_unix_path, parse_address
 
@@ -64,12 +65,14 @@ class ListenerConfig:
         name: the table name under ``[listeners]``.
         bind: ``host:port`` (TCP) or an absolute path (Unix socket).
         tls: the TLS keys when the listener is TLS (``certfile`` and ``keyfile`` given), else ``None``.
+        auth: ``allow_anonymous``, ``password_file``, ``acl_file`` and the files loaded (gateway/server/access.py).
     """
 
     name: str
     bind: str
     limits: ZoneLimits
     tls: TlsSettings | None = None
+    auth: AuthConfig = field(default_factory=lambda: AuthConfig(allow_anonymous=True))
 
     @property
     def is_unix(self) -> bool:
@@ -139,6 +142,10 @@ _SYS_INTERVAL: ValueSpec = ("duration", 0, math.inf, 'a duration such as "10s" (
 _STORE_MAX_SIZE: ValueSpec = ("size", 4 * 1024 * 1024, 2**62, 'a size of at least 4MB such as "1GB"')
 _COMMIT_INTERVAL: ValueSpec = ("duration", 0, 1, 'a duration 0..1s such as "2ms"')
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit", "mqueue_mem_len"}
+
+
+# allow_anonymous, password_file, acl_file (gateway/server/access.py)
+_LISTENER_KEYS.update(AUTH_KEYS)
 
 
 def default_store_path() -> str:
@@ -237,15 +244,16 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"{where}.{key}: unknown key; allowed: {', '.join(sorted(_LISTENER_KEYS))}")
             elif key == "bind":
                 bind = check_value(where, key, value, errors, _BIND)
-            elif key in ("zone", *_TLS_KEYS):
+            elif key in ("zone", *_TLS_KEYS, *AUTH_KEYS):
                 continue
             else:
                 parsed = check_value(where, key, value, errors, _LIMIT_KEYS[key])
                 if parsed is not None:
                     setattr(limits, key, parsed)
         tls = _load_tls(where, table, bind, errors)
+        auth = load_auth(where, table, bind, errors)
         if bind is not None:
-            cfg.listeners.append(ListenerConfig(name, bind, limits, tls))
+            cfg.listeners.append(ListenerConfig(name, bind, limits, tls, auth))
     cfg.broker.zones = {lc.name: lc.limits for lc in cfg.listeners}
     if errors:
         raise ConfigError(errors, source)

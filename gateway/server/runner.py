@@ -14,10 +14,12 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
+from gateway.auth.throttle import FailureThrottle
 from gateway.auth.tls import TlsConfigError, build_server_context
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.store import MemoryStore, SessionStore
+from gateway.server.access import reload_access
 from gateway.server.config import GatewayConfig
 from gateway.server.notify import SystemdNotify, install_debug_hang
 from gateway.server.protocol import BrokerIO, MQTTProtocol
@@ -32,6 +34,28 @@ log = logging.getLogger("gateway.server")
 
 class BindError(Exception):
     """A listener could not bind (address in use, permission denied, ...)."""
+
+
+def reload_security(config: GatewayConfig, broker: Broker, tls_listeners: dict[str, TlsListener]) -> None:
+    """SIGHUP: read the password and ACL files and the TLS certificates and keys again, without dropping any
+    connection (mosquitto.conf(5): Mosquitto reloads the same on SIGHUP). Password and ACL files are all or
+    nothing: a file that fails to parse is logged (file, line, reason) and every listener keeps its previous rules.
+    A TLS listener whose files fail keeps its previous context; new handshakes use the new one, established TLS
+    connections go on with theirs. Connected clients get their ACL rules resolved again from the new files."""
+    log.info("SIGHUP: reloading password files, ACL files and TLS certificates")
+    access = reload_access({lc.name: lc.auth for lc in config.listeners})
+    if access is not None:
+        broker.reload_access(access, time.time())
+    for lc in config.listeners:
+        tls = tls_listeners.get(lc.name)
+        if tls is None or lc.tls is None:
+            continue
+        try:
+            tls.context = build_server_context(lc.tls)
+        except TlsConfigError as exc:
+            log.error("reload: listener %r: %s; keeping the previous TLS certificate and key", lc.name, exc)
+        else:
+            log.info("reload: listener %r: TLS certificate and key reloaded", lc.name)
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
@@ -52,6 +76,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         lmdb_store = None
         store = MemoryStore()
         log.warning("store: memory only; persistent sessions and retained messages do not survive a restart")
+    # Who may connect and what they may do, per listener (issue 15; the files were read with the configuration)
+    config.broker.access = {lc.name: lc.auth.access() for lc in config.listeners}
+    config.broker.throttle = FailureThrottle()
+    for lc in config.listeners:
+        if not lc.auth.allow_anonymous and lc.auth.passwords is None and not lc.auth.use_identity_as_username:
+            log.warning("listener %r: allow_anonymous is false and there is no password_file: no client can connect",
+                        lc.name)
     broker = Broker(config.broker, store, now=time.time())
     io = BrokerIO(broker, loop)
     if lmdb_store is not None:
@@ -71,6 +102,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         upstream = UpstreamBridge(config.upstreams, broker, io.schedule_flush)
         upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
     servers: list[asyncio.AbstractServer] = []
+    tls_listeners: dict[str, TlsListener] = {}
     try:
         for listener in config.listeners:
             def factory(lc=listener) -> MQTTProtocol:  # type: ignore[no-untyped-def]
@@ -87,6 +119,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                     host, port = listener.host_port()
                     if listener.tls is not None:  # its own accept loop and handshake (gateway/server/tls_accept.py)
                         tls = TlsListener(io, build_server_context(listener.tls), listener.name, listener.limits)
+                        tls_listeners[listener.name] = tls
                         sockets: Any = await tls.start(host, port)
                         server = tls
                     else:
@@ -113,6 +146,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGHUP, reload_security, config, broker, tls_listeners)
     io.start_ticker()
     if upstream is not None:
         upstream.start()
@@ -144,7 +179,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         for server in servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
         log.info("stopped")

@@ -260,9 +260,23 @@ def decode_will(data: bytes, pos: int) -> Will | None:
     return Will(topic, payload, flags & 0x03, bool(flags & 0x04), props)
 
 
+#: Set in the protocol level byte of a session record when its owner follows (issue 15): a byte 1 (a verified user
+#: name follows) or 0 (anonymous), the user name if any, and the listener name, before the Will. Records without
+#: it (written before issue 15) load as anonymous sessions of an unknown listener. A version before issue 15 would
+#: misread a record with it: do not run one on a store this version has written.
+_OWNER = 0x80
+
+
 def encode_session(s: Session) -> bytes:
-    """Session meta: expiry, offline deadline, delayed Will."""
-    return _SESS.pack(float(s.expiry_interval), _opt(s.expires_at), _opt(s.will_at), s.protocol_level) + \
+    """Session meta: expiry, offline deadline, delayed Will, and its owner (user name and listener)."""
+    owner = b""
+    level = s.protocol_level
+    if s.username is not None or s.listener:
+        level |= _OWNER
+        owner = (b"\x01" + encode_string(s.username) if s.username is not None else b"\x00") + encode_string(
+            s.listener
+        )
+    return _SESS.pack(float(s.expiry_interval), _opt(s.expires_at), _opt(s.will_at), level) + owner + \
         encode_will(s.will if s.will_at is not None else None)
 
 
@@ -289,8 +303,15 @@ def decode_session_into(s: Session, data: bytes) -> None:
     s.expiry_interval = expiry
     s.expires_at = _unopt(expires_at)
     s.will_at = _unopt(will_at)
-    s.protocol_level = level
-    s.will = decode_will(data, _SESS.size)
+    s.protocol_level = level & ~_OWNER
+    pos = _SESS.size
+    if level & _OWNER:
+        if data[pos]:
+            s.username, pos = decode_string(data, pos + 1)
+        else:
+            pos += 1
+        s.listener, pos = decode_string(data, pos)
+    s.will = decode_will(data, pos)
     if s.will is None:
         s.will_at = None
 

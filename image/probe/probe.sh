@@ -25,14 +25,16 @@ journal() {  # the last lines of a unit's journal, to the console
     journalctl -u "$1" -n "${2:-15}" --no-pager -o cat 2>&1 | while IFS= read -r line; do say "  $1: $line"; done
 }
 prop() { systemctl show -p "$2" --value "$1"; }
+# Local tools use the internal loopback listener (1884): the external one binds 0.0.0.0, where anonymous clients
+# are refused by default (issue 15, README "Security").
 roundtrip() {  # roundtrip TOPIC: a QoS 1 message from mosquitto_pub reaches mosquitto_sub through the broker
     token="rt-$(cut -d' ' -f1 /proc/uptime)-$$"
     rm -f /run/probe-rt
-    mosquitto_sub -h 127.0.0.1 -p 1883 -q 1 -t "$1" -C 1 -W 60 > /run/probe-rt 2>&1 &
+    mosquitto_sub -h 127.0.0.1 -p 1884 -q 1 -t "$1" -C 1 -W 60 > /run/probe-rt 2>&1 &
     sub=$!
     n=0
     while kill -0 "$sub" 2>/dev/null && [ "$n" -lt 60 ]; do  # until the subscriber has it (it may subscribe late)
-        mosquitto_pub -h 127.0.0.1 -p 1883 -q 1 -t "$1" -m "$token" >/dev/null 2>&1
+        mosquitto_pub -h 127.0.0.1 -p 1884 -q 1 -t "$1" -m "$token" >/dev/null 2>&1
         sleep 1; n=$((n + 1))
     done
     wait "$sub"
@@ -50,7 +52,7 @@ fi
 
 # 2. A publish/subscribe round trip through the broker.
 if roundtrip probe/roundtrip; then
-    pass "pubsub-roundtrip QoS 1 message from mosquitto_pub reached mosquitto_sub on 127.0.0.1:1883"
+    pass "pubsub-roundtrip QoS 1 message from mosquitto_pub reached mosquitto_sub on 127.0.0.1:1884 (the internal loopback listener)"
 else
     fail "pubsub-roundtrip got '$(head -c 200 /run/probe-rt)'"
 fi
@@ -62,7 +64,7 @@ setpriv --reuid=firmware-bridge --regid=firmware-bridge --init-groups \
     > /run/firmware-sim/simulator.log 2>&1 &
 sim=$!
 if wait_for 120 systemctl is-active --quiet "$BRIDGE"; then
-    reading=$(mosquitto_sub -h 127.0.0.1 -p 1883 -t 'sensors/gw-image/#' -C 1 -W 90 -v 2>&1)
+    reading=$(mosquitto_sub -h 127.0.0.1 -p 1884 -t 'sensors/gw-image/#' -C 1 -W 90 -v 2>&1)
     case "$reading" in
         sensors/gw-image/*'"seq"'*)
             pass "bridge-reading $BRIDGE active, simulator on $(readlink /run/firmware-sim/buoy-b01): $(echo "$reading" | head -c 160)" ;;
