@@ -26,14 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway import __version__
-from gateway.broker import connect, delivery, inbound, inflight, qos2, router, sessions, subscribe, timers
+from gateway.broker import access, connect, delivery, inbound, inflight, qos2, router, sessions, subscribe, timers
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Message
 from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
-from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, NEVER, Connection
+from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, HELD, NEVER, Connection
 from gateway.broker.state import BrokerState, Stats
 from gateway.broker.store import SessionStore
 from gateway.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
@@ -88,6 +88,9 @@ class Broker(BrokerState):
             self.offline.add(session)
             if session.will is not None and session.will_at is not None:
                 self.wills.add(session)
+        if self.read_checks:  # their ACL rules and subscription decisions (issue 15)
+            for session in state.sessions:
+                access.restore_rules(self, session)
         if state.sessions or state.retained:
             log.info(
                 "restored %d persistent sessions and %d retained messages from the store",
@@ -151,7 +154,10 @@ class Broker(BrokerState):
                         )
                         sessions.close(self, conn, now, publish_will=False)
                         return
-                    connect.on_connect(self, conn, packet, now)
+                    if not connect.hold(self, conn, packet, now):
+                        connect.on_connect(self, conn, packet, now)
+                elif conn.state == HELD:
+                    conn.held.append(packet)  # handled once the throttled CONNECT is (issue 15)
                 else:
                     return
         except UnsupportedProtocolVersion as exc:
@@ -184,6 +190,7 @@ class Broker(BrokerState):
         """The Network Connection closed (by the peer, or after the broker asked)."""
         self.connections.discard(conn)
         self.dirty.discard(conn)
+        self.held.discard(conn)
         conn.pending = False
         if conn.state != CLOSED:
             conn.state = CLOSED
@@ -207,9 +214,39 @@ class Broker(BrokerState):
     def tick(self, now: float) -> None:
         """Run every deadline that has passed (:mod:`gateway.broker.timers`) and the ``$SYS`` updates."""
         timers.run(self, now)
+        if self.held:
+            self._release_held(now)
         if self.settings.sys_interval and now >= self.next_sys:
             self.next_sys = now + self.settings.sys_interval
             self.publish_sys(now)
+
+    def _release_held(self, now: float) -> None:
+        """Handle the CONNECTs the failure throttle held whose delay is over (:func:`.connect.hold`), then the
+        packets that arrived behind them, in order."""
+        for conn in [c for c in self.held if now >= c.held_until]:
+            self.held.discard(conn)
+            packets, conn.held = conn.held, []
+            if conn.state != HELD:
+                continue
+            conn.state = AWAITING_CONNECT
+            try:
+                connect.on_connect(self, conn, packets[0], now)
+                for packet in packets[1:]:
+                    if conn.state != CONNECTED:
+                        break
+                    handler = self._handlers.get(packet.TYPE)
+                    if handler is None:
+                        raise ProtocolError(f"a client must not send {PACKET_NAMES[packet.TYPE]} here")
+                    handler(self, conn, packet, now)
+            except MQTTError as exc:
+                self._protocol_error(conn, exc, now)
+
+    def reload_access(self, rules: dict[str, access.ListenerAccess], now: float) -> None:
+        """New authentication and ACL rules per listener (SIGHUP, after the files parsed): later CONNECTs use
+        them, and every session's ACL and subscription decisions are resolved again (:func:`.access.reload`);
+        no connection is closed."""
+        access.reload(self, rules)
+        log.info("access rules reloaded for %d listener(s); %d sessions re-checked", len(rules), len(self.sessions))
 
     def shutdown(self, now: float) -> None:
         """Server shutting down: DISCONNECT 0x8B to 5.0 clients, close every connection (MQTT 5.0 §3.14)."""
