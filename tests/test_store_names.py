@@ -32,7 +32,7 @@ from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, Suback, Su
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
-from gateway.store.tables import DB_NAMES
+from gateway.store.tables import DB_NAMES, Tables
 from gateway.store.writer import _PUT
 
 # max_clientid_len is raised so that the long Client Identifiers reach the store: the point here is that no name,
@@ -203,6 +203,13 @@ def _open(path: Path, **kw: Any) -> tuple[LmdbStore, Any]:
     store = LmdbStore(StoreSettings(path=str(path), mqueue_mem_len=0, **kw), ZoneLimits)
     state = store.load(0.0)
     return store, state  # no event loop attached: every change commits synchronously
+
+
+def test_tables_iterate_in_the_order_of_db_names() -> None:
+    """``Tables`` spells its handles out for speed (``__iter__``); they follow its fields, which make ``DB_NAMES``."""
+    tables = Tables(*DB_NAMES)
+    assert tuple(tables) == DB_NAMES and [name for name, _ in tables.items()] == list(DB_NAMES)
+    assert all(tables.name_of(name) == name for name in DB_NAMES)
 
 
 def _rows(store: LmdbStore, table: str) -> dict[bytes, bytes]:

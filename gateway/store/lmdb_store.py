@@ -602,7 +602,8 @@ class LmdbStore(LmdbWriter):
 
     def _new_pager(self, client_id: str) -> LmdbPager:
         """A pager of ``client_id``'s queue rows, indexed (weakly) by its key prefix for ``_rows_not_written``."""
-        pager = self._pagers[rec.client_prefix(client_id)] = LmdbPager(self, client_id)
+        pager = LmdbPager(self, client_id)
+        self._pagers[pager.prefix] = pager
         return pager
 
     def outbox_seq(self) -> int:
