@@ -5,7 +5,8 @@ Topics (``<gw>`` is ``bridge.gateway_id``):
 * ``sensors/<gw>/<device>``: one reading envelope per frame (QoS of the port, default 1).
 * ``cmd/<gw>/<device>/<command>``: commands in (subscribed QoS 1, No Local); replies go to the MQTT 5 Response
   Topic of the command when it has one, else to ``cmd/<gw>/<device>/reply``, with its Correlation Data.
-* ``bridge/<gw>/events``: ``reboot``, ``gap``, ``seq_regression``, ``port_up``, ``port_down`` (QoS 1).
+* ``bridge/<gw>/events``: ``reboot``, ``gap``, ``seq_regression``, ``port_up``, ``port_down``; Modbus ports:
+  ``modbus_fault``, ``missed_polls``, ``device_offline``, ``device_online`` (QoS 1).
 * ``bridge/<gw>/stats``: counters (retained, every ``stats_interval`` while they change).
 * ``bridge/<gw>/status``: ``online`` / ``offline`` (retained; ``offline`` is also the Will).
 """
@@ -28,6 +29,7 @@ from typing import Any
 import aiomqtt
 import sdnotify
 
+from firmware_bridge import modbus
 from firmware_bridge.config import BridgeConfig, PortConfig
 from firmware_bridge.frames import (
     COMMAND_RE,
@@ -41,6 +43,7 @@ from firmware_bridge.frames import (
     command_frame,
     format_time,
 )
+from firmware_bridge.modbus_bus import ModbusBus, Write
 from firmware_bridge.publisher import Outgoing, Publisher
 from firmware_bridge.serial_io import SerialLink
 
@@ -96,12 +99,21 @@ class Bridge:
         self.publisher = Publisher(
             cfg.mqtt, status_topic=self.topic_status, on_connect=self._on_connect, on_message=self._on_message
         )
-        self.links = [SerialLink(p, self._on_event, self._on_port_state) for p in cfg.ports]
+        self.modbus_boot = int(self.started)  # Modbus devices have no boot counter either
+        self.links: list[SerialLink | ModbusBus] = [
+            ModbusBus(p, self._on_modbus_reading, self._on_modbus_event, self._on_port_state)
+            if p.protocol == "modbus-rtu"
+            else SerialLink(p, self._on_event, self._on_port_state)
+            for p in cfg.ports
+        ]
         self.port_stats = {p.path: PortStats() for p in cfg.ports}
         self.devices: dict[str, DeviceState] = {}
-        self.device_link: dict[str, SerialLink] = {}
+        self.device_link: dict[str, SerialLink | ModbusBus] = {}
         for link in self.links:
-            if link.cfg.device is not None:
+            if isinstance(link, ModbusBus):
+                for name in link.devices:
+                    self.device_link[name] = link
+            elif link.cfg.device is not None:
                 self.device_link[link.cfg.device] = link
         self.pending: dict[tuple[str, int], PendingCommand] = {}
         self.commands = Counter[str]()
@@ -194,7 +206,7 @@ class Bridge:
 
     # -- serial side ---------------------------------------------------------------------------------------------
 
-    def _on_port_state(self, link: SerialLink, state: str, detail: str) -> None:
+    def _on_port_state(self, link: SerialLink | ModbusBus, state: str, detail: str) -> None:
         event = "port_up" if state == "open" else "port_down"
         payload: dict[str, Any] = {"v": ENVELOPE_VERSION, "gateway_id": self.gw, "event": event, "port": link.cfg.path}
         if detail:
@@ -244,20 +256,27 @@ class Bridge:
         return format_time(datetime.now(UTC))
 
     def _envelope(
-        self, device: str, boot: int, seq: int, sensor_time: str | None, values: dict[str, tuple[float | int, str]]
+        self,
+        device: str,
+        boot: int,
+        seq: int,
+        sensor_time: str | None,
+        values: dict[str, tuple[float | int, str]],
+        text: dict[str, str] | None = None,
     ) -> bytes:
-        return _json(
-            {
-                "v": ENVELOPE_VERSION,
-                "gateway_id": self.gw,
-                "device": device,
-                "boot": boot,
-                "seq": seq,
-                "sensor_time": sensor_time,
-                "gateway_time": self._now(),
-                "values": {name: {"value": value, "unit": unit} for name, (value, unit) in values.items()},
-            }
-        )
+        envelope: dict[str, Any] = {
+            "v": ENVELOPE_VERSION,
+            "gateway_id": self.gw,
+            "device": device,
+            "boot": boot,
+            "seq": seq,
+            "sensor_time": sensor_time,
+            "gateway_time": self._now(),
+            "values": {name: {"value": value, "unit": unit} for name, (value, unit) in values.items()},
+        }
+        if text:
+            envelope["text"] = text  # string registers (Modbus); values stay numbers only
+        return _json(envelope)
 
     def _event(self, kind: str, device: str, **fields: Any) -> None:
         payload = {
@@ -270,7 +289,7 @@ class Bridge:
         }
         self.publisher.enqueue(Outgoing(self.topic_events, _json(payload), qos=1))
 
-    def _device(self, device: str, link: SerialLink) -> DeviceState:
+    def _device(self, device: str, link: SerialLink | ModbusBus) -> DeviceState:
         state = self.devices.get(device)
         if state is None:
             state = self.devices[device] = DeviceState(port=link.cfg.path)
@@ -343,6 +362,22 @@ class Bridge:
         st.readings += 1
         self._publish_reading(link.cfg, device, self.nmea_boot, seq, fix.sensor_time, fix.values)
 
+    def _on_modbus_reading(
+        self, bus: ModbusBus, device: str, values: dict[str, tuple[float | int, str]], text: dict[str, str]
+    ) -> None:
+        """One successful poll of a Modbus group: one reading, ``boot`` the bridge's start, ``seq`` counted here."""
+        self.port_stats[bus.cfg.path].frames += 1
+        self._stats_dirty = True
+        st = self._device(device, bus)
+        seq = 0 if st.seq is None else st.seq + 1
+        st.boot, st.seq = self.modbus_boot, seq
+        st.readings += 1
+        self._publish_reading(bus.cfg, device, self.modbus_boot, seq, None, values, text)
+
+    def _on_modbus_event(self, kind: str, device: str, fields: dict[str, Any]) -> None:
+        self._stats_dirty = True
+        self._event(kind, device, **fields)
+
     def _publish_reading(
         self,
         port: PortConfig,
@@ -351,9 +386,10 @@ class Bridge:
         seq: int,
         sensor_time: str | None,
         values: dict[str, tuple[float | int, str]],
+        text: dict[str, str] | None = None,
     ) -> None:
         dropped = self.publisher.enqueue(
-            Outgoing(self.topic_reading(device), self._envelope(device, boot, seq, sensor_time, values), port.qos)
+            Outgoing(self.topic_reading(device), self._envelope(device, boot, seq, sensor_time, values, text), port.qos)
         )
         if dropped is not None:
             total = sum(self.publisher.buffer.dropped.values())
@@ -412,6 +448,9 @@ class Bridge:
                 )
                 return
         link = self.device_link.get(device)
+        if isinstance(link, ModbusBus):
+            self._modbus_command(link, device, name, args, response_topic, correlation)
+            return
         if link is None or not link.is_open:
             self._command_error(
                 device, name, None, response_topic, correlation, "device_offline", "no open port for this device"
@@ -440,6 +479,78 @@ class Bridge:
         )
         self.pending[(device, cmd_id)] = pending
         log.info("command %s #%d -> %s (%s)", name, cmd_id, device, link.cfg.path)
+
+    def _modbus_command(
+        self,
+        bus: ModbusBus,
+        device: str,
+        name: str,
+        args: dict[str, Any],
+        reply_topic: str,
+        correlation: bytes | None,
+    ) -> None:
+        """``write`` to a Modbus device: ``{"name": ..., "value": ...}`` or ``{"function": ..., "address": ...,
+        "value": ...}`` (raw: a coil state or the register words); only ``writable = true`` registers."""
+
+        def refuse(error: str, detail: str) -> None:
+            self._command_error(device, name, None, reply_topic, correlation, error, detail)
+
+        if name != "write":
+            refuse("unknown_command", "Modbus devices take the command 'write' only")
+            return
+        dev = bus.devices[device].device
+        raw_form = "name" not in args
+        reg: modbus.Register | None
+        if not raw_form:
+            reg = dev.register(args["name"]) if isinstance(args["name"], str) else None
+            where = f"register {args['name']!r}"
+        else:
+            if "address" not in args:
+                refuse("bad_request", 'give "name" and "value", or "function", "address" and "value"')
+                return
+            try:
+                function = args.get("function")
+                if function is not None and function not in modbus.FUNCTIONS:
+                    raise ValueError(f"function must be one of {', '.join(modbus.FUNCTIONS)}")
+                function, address = modbus.parse_address(args["address"], function)
+            except ValueError as exc:
+                refuse("bad_request", f"address {args['address']!r}: {exc}")
+                return
+            reg = dev.register_at(function, address)
+            where = f"{function} {address}"
+        if reg is None:
+            refuse("unknown_register", f"{where} is not in this device's configuration")
+            return
+        if not reg.writable:
+            refuse("not_writable", f"{where} ({reg.name}) is not writable = true in the configuration")
+            return
+        if "value" not in args:
+            refuse("bad_request", '"value" is missing')
+            return
+        value = args["value"]
+        try:
+            if raw_form and not reg.is_bit:
+                words = value if isinstance(value, list) else [value]
+                if len(words) != reg.count or not all(
+                    isinstance(w, int) and not isinstance(w, bool) and 0 <= w <= 0xFFFF for w in words
+                ):
+                    raise ValueError(f"raw: {reg.count} register value(s) 0..65535")
+                raw: list[int] | bool = list(words)
+            else:
+                raw = modbus.encode(reg, value)
+        except ValueError as exc:
+            refuse("bad_value", f"{reg.name} ({reg.type}): {exc}")
+            return
+        cmd_id = next(self._cmd_ids)
+        pending = PendingCommand(device, name, reply_topic, correlation)
+        self.commands["sent"] += 1
+
+        def done(body: dict[str, Any]) -> None:
+            self.commands["replied" if body.get("ok") else str(body.get("error"))] += 1
+            self._reply(pending, cmd_id, body)
+
+        log.info("command write #%d -> %s: %s = %r", cmd_id, device, reg.name, value)
+        bus.submit(Write(dev, reg, raw, done))
 
     def _reply(self, pending: PendingCommand, cmd_id: int | None, body: dict[str, Any]) -> None:
         payload = {
@@ -526,19 +637,7 @@ class Bridge:
                 "dropped_qos0": buf.dropped[0],
                 "dropped_qos1": buf.dropped[1] + buf.dropped[2],
             },
-            "ports": {
-                link.cfg.path: {
-                    "state": link.state,
-                    "protocol": link.cfg.protocol,
-                    "opens": link.opens,
-                    "errors": link.errors,
-                    "bytes_in": link.bytes_in,
-                    "frames": self.port_stats[link.cfg.path].frames,
-                    "rejected": dict(sorted(self.port_stats[link.cfg.path].rejected.items())),
-                    "ignored": dict(sorted(self.port_stats[link.cfg.path].ignored.items())),
-                }
-                for link in self.links
-            },
+            "ports": {link.cfg.path: self._port_stats(link) for link in self.links},
             "devices": {
                 name: {
                     "port": st.port,
@@ -553,8 +652,26 @@ class Bridge:
                 }
                 for name, st in sorted(self.devices.items())
             },
+            "modbus": {
+                name: st for bus in self.links if isinstance(bus, ModbusBus) for name, st in bus.device_stats().items()
+            },
             "commands": dict(sorted(self.commands.items())),
         }
+
+    def _port_stats(self, link: SerialLink | ModbusBus) -> dict[str, Any]:
+        stats = {
+            "state": link.state,
+            "protocol": link.cfg.protocol,
+            "opens": link.opens,
+            "errors": link.errors,
+            "bytes_in": link.bytes_in,
+            "frames": self.port_stats[link.cfg.path].frames,
+            "rejected": dict(sorted(self.port_stats[link.cfg.path].rejected.items())),
+            "ignored": dict(sorted(self.port_stats[link.cfg.path].ignored.items())),
+        }
+        if isinstance(link, ModbusBus):
+            stats.update(bytes_out=link.bytes_out, requests=link.requests, responses=link.responses)
+        return stats
 
     def _write_stats_file(self) -> None:
         if not self.cfg.stats_file:

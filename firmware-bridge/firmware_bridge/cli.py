@@ -56,6 +56,8 @@ def _setup_logging(level: str) -> None:
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr, force=True)
     logging.getLogger("firmware_bridge.paho").setLevel(logging.WARNING)
+    # pymodbus logs every timeout as an ERROR with a dump of the line; the bridge counts and reports faults itself
+    logging.getLogger("pymodbus").setLevel(logging.DEBUG if level == "debug" else logging.CRITICAL)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -31,6 +31,19 @@
     qos = 1                           # QoS of this port's readings
     max_line = 512                    # longest accepted line (bytes, trailer included)
     reopen_max = "5s"                 # unplugged/failed port: retry opening with backoff up to this
+
+    [[ports]]                         # an RS-485 bus of Modbus RTU devices (PROTOCOL.md, "Modbus RTU")
+    path = "/dev/serial/by-id/usb-FTDI_..._if00-port0"
+    protocol = "modbus-rtu"
+    baudrate = 19200                  # Modbus defaults: 19200 bit/s, 8 data bits, even parity, 1 stop bit
+    parity = "even"
+    timeout = "0.5s"                  # response timeout; retries = 2; interframe = t3.5 from the baud rate
+    [[ports.devices]]
+    name = "meter-1"                  # device id: sensors/<gateway_id>/meter-1
+    unit = 1                          # slave address 1..247
+    [[ports.devices.groups]]
+    interval = "10s"
+    registers = [{ name = "voltage", address = "30001", type = "float32", unit = "V" }]
 """
 
 from __future__ import annotations
@@ -41,12 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from firmware_bridge.frames import DEFAULT_MAX_LINE, DEVICE_RE, NMEA_MAX_LINE
+from firmware_bridge import modbus
+from firmware_bridge.frames import DEFAULT_MAX_LINE, DEVICE_RE, NMEA_MAX_LINE, QUANTITY_RE
 from gateway.values import address_allowed, check_value, is_unix_path, parse_address
 
 DEFAULT_CONFIG = "/etc/firmware-bridge/bridge.toml"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-PROTOCOLS = ("line-json", "nmea")
+PROTOCOLS = ("line-json", "nmea", "modbus-rtu")
 PARITIES = {"none": "N", "even": "E", "odd": "O", "mark": "M", "space": "S"}
 GATEWAY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -73,6 +87,7 @@ class PortConfig:
     qos: int = 1
     max_line: int = DEFAULT_MAX_LINE
     reopen_max: float = 5.0
+    modbus: modbus.ModbusSettings | None = None  # protocol "modbus-rtu" only
 
 
 @dataclass(slots=True)
@@ -185,6 +200,195 @@ _PORT_KEYS = {
     "max_line",
     "reopen_max",
 }
+_MODBUS_PORT_KEYS = (_PORT_KEYS - {"device", "max_line", "rtscts"}) | {
+    "timeout",
+    "retries",
+    "interframe",
+    "backoff_min",
+    "backoff_max",
+    "offline_after",
+    "devices",
+}
+_MODBUS_DEVICE_KEYS = {"name", "unit", "byte_order", "word_order", "max_registers", "max_bits", "max_gap", "groups"}
+_MODBUS_GROUP_KEYS = {"interval", "registers"}
+_MODBUS_REGISTER_KEYS = {
+    "name",
+    "function",
+    "address",
+    "type",
+    "count",
+    "word_order",
+    "byte_order",
+    "scale",
+    "offset",
+    "unit",
+    "writable",
+}
+MAX_UNIT_LEN = 16
+
+
+def _number(c: _Checker, where: str, value: Any, nonzero: bool = False) -> float | None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or value != value
+        or value
+        in (
+            float("inf"),
+            float("-inf"),
+        )
+    ):
+        c.errors.append(f"{where} = {value!r}: must be a finite number")
+        return None
+    if nonzero and value == 0:
+        c.errors.append(f"{where} = 0: must not be 0")
+        return None
+    return float(value)
+
+
+def _modbus_register(
+    c: _Checker, where: str, raw: Any, dev: modbus.ModbusDevice, orders: tuple[str, str]
+) -> modbus.Register | None:
+    r = c.table(where, raw, _MODBUS_REGISTER_KEYS)
+    name = c.str_(f"{where}.name", r.get("name"), QUANTITY_RE)
+    function = None
+    if "function" in r:
+        function = c.str_(f"{where}.function", r["function"], allowed=tuple(modbus.FUNCTIONS))
+        if function is None:
+            return None
+    if "address" not in r:
+        c.errors.append(f'{where}.address: required (0-based, or a string such as "30001")')
+        return None
+    try:
+        function, address = modbus.parse_address(r["address"], function)
+    except ValueError as exc:
+        c.errors.append(f"{where}.address = {r['address']!r}: {exc}")
+        return None
+    is_bit = function in modbus.BIT_FUNCTIONS
+    type_ = "bool" if is_bit else "uint16"
+    if "type" in r:
+        allowed = ("bool",) if is_bit else tuple(modbus.TYPES)
+        type_ = c.str_(f"{where}.type", r["type"], allowed=allowed) or type_
+    count = None
+    if "count" in r:
+        if type_ != "string":
+            c.errors.append(f'{where}.count: only for type = "string" (the other types have a fixed size)')
+        else:
+            count = c.int_(f"{where}.count", r["count"], 1, modbus.MAX_READ_REGISTERS)
+    elif type_ == "string":
+        c.errors.append(f'{where}.count: required for type = "string" (registers, 2 characters each)')
+        return None
+    size = modbus.register_count(type_, count)
+    if size == 0 or address + size - 1 > modbus.MAX_ADDRESS:
+        c.errors.append(f"{where}: registers {address}..{address + size - 1} run past address 65535")
+        return None
+    word_order, byte_order = orders
+    if "word_order" in r:
+        word_order = c.str_(f"{where}.word_order", r["word_order"], allowed=modbus.ORDERS) or word_order
+    if "byte_order" in r:
+        byte_order = c.str_(f"{where}.byte_order", r["byte_order"], allowed=modbus.ORDERS) or byte_order
+    scale = _number(c, f"{where}.scale", r["scale"], nonzero=True) if "scale" in r else 1.0
+    offset = _number(c, f"{where}.offset", r["offset"]) if "offset" in r else 0.0
+    if type_ == "string" and ("scale" in r or "offset" in r):
+        c.errors.append(f"{where}: scale and offset do not apply to strings")
+    unit = ""
+    if "unit" in r:
+        unit = c.str_(f"{where}.unit", r["unit"], empty_ok=True) or ""
+        if len(unit) > MAX_UNIT_LEN:
+            c.errors.append(f"{where}.unit = {unit!r}: at most {MAX_UNIT_LEN} characters")
+    writable = bool(c.bool_(f"{where}.writable", r["writable"])) if "writable" in r else False
+    if writable and function not in modbus.WRITABLE_FUNCTIONS:
+        c.errors.append(f"{where}.writable: only coils and holding registers can be written, not {function}")
+    if writable and size > modbus.MAX_WRITE_REGISTERS:
+        c.errors.append(f"{where}.writable: at most {modbus.MAX_WRITE_REGISTERS} registers per write")
+    limit = dev.max_bits if is_bit else dev.max_registers
+    if size > limit:
+        c.errors.append(f"{where}: {size} registers do not fit in one request (max_registers = {limit})")
+    if name is None or scale is None or offset is None:
+        return None
+    return modbus.Register(name, function, address, type_, size, word_order, byte_order, scale, offset, unit, writable)
+
+
+def _modbus_device(c: _Checker, where: str, raw: Any) -> modbus.ModbusDevice | None:
+    d = c.table(where, raw, _MODBUS_DEVICE_KEYS)
+    name = c.str_(f"{where}.name", d.get("name"), DEVICE_RE)
+    unit = c.int_(f"{where}.unit", d.get("unit"), 1, modbus.MAX_UNIT)
+    dev = modbus.ModbusDevice(name or "?", unit or 0)
+    for key, low, high in (
+        ("max_registers", 1, modbus.MAX_READ_REGISTERS),
+        ("max_bits", 1, modbus.MAX_READ_BITS),
+        ("max_gap", 0, modbus.MAX_READ_REGISTERS - 1),
+    ):
+        if key in d:
+            v = c.int_(f"{where}.{key}", d[key], low, high)
+            if v is not None:
+                setattr(dev, key, v)
+    orders = ["big", "big"]
+    for i, key in enumerate(("word_order", "byte_order")):
+        if key in d:
+            orders[i] = c.str_(f"{where}.{key}", d[key], allowed=modbus.ORDERS) or "big"
+    groups = d.get("groups")
+    if not isinstance(groups, list) or not groups:
+        c.errors.append(f"{where}.groups: required, an array of tables ([[ports.devices.groups]]): interval, registers")
+        groups = []
+    names: set[str] = set()
+    for gi, graw in enumerate(groups):
+        gwhere = f"{where}.groups[{gi}]"
+        g = c.table(gwhere, graw, _MODBUS_GROUP_KEYS)
+        interval = c.duration(f"{gwhere}.interval", g.get("interval"), 0.01, 86400)
+        regs = g.get("registers")
+        if not isinstance(regs, list) or not regs:
+            c.errors.append(f"{gwhere}.registers: required, a non-empty array of tables")
+            regs = []
+        if len(regs) > modbus.MAX_READ_REGISTERS:
+            c.errors.append(f"{gwhere}.registers: at most {modbus.MAX_READ_REGISTERS} per group")
+        group = modbus.Group(interval or 1.0, [])
+        for ri, rraw in enumerate(regs):
+            reg = _modbus_register(c, f"{gwhere}.registers[{ri}]", rraw, dev, (orders[0], orders[1]))
+            if reg is None:
+                continue
+            if reg.name in names:
+                c.errors.append(f"{gwhere}.registers[{ri}].name = {reg.name!r}: used twice in device {dev.name!r}")
+            names.add(reg.name)
+            group.registers.append(reg)
+        group.requests = modbus.plan(group.registers, dev.max_registers, dev.max_bits, dev.max_gap)
+        dev.groups.append(group)
+    if name is None or unit is None:
+        return None
+    return dev
+
+
+def _modbus_port(c: _Checker, where: str, p: dict[str, Any], port: PortConfig) -> None:
+    for key in sorted(set(p) - _MODBUS_PORT_KEYS - {"protocol"}):
+        c.errors.append(f'{where}.{key}: not for protocol "modbus-rtu"')
+    settings = port.modbus = modbus.ModbusSettings()
+    for key, low, high in (("timeout", 0.01, 60), ("backoff_min", 0.01, 3600), ("backoff_max", 0.01, 86400)):
+        if key in p:
+            v = c.duration(f"{where}.{key}", p[key], low, high)
+            if v is not None:
+                setattr(settings, key, v)
+    if "interframe" in p and p["interframe"] != "auto":
+        settings.interframe = c.duration(f"{where}.interframe", p["interframe"], 0, 1)
+    for key, low, high in (("retries", 0, 10), ("offline_after", 1, 1000)):
+        if key in p:
+            v = c.int_(f"{where}.{key}", p[key], low, high)
+            if v is not None:
+                setattr(settings, key, v)
+    if settings.backoff_max < settings.backoff_min:
+        c.errors.append(f"{where}.backoff_max must be >= backoff_min")
+    devices = p.get("devices")
+    if not isinstance(devices, list) or not devices:
+        c.errors.append(f"{where}.devices: required, an array of tables ([[ports.devices]]) with name, unit, groups")
+        devices = []
+    units: set[int] = set()
+    for di, draw in enumerate(devices):
+        dev = _modbus_device(c, f"{where}.devices[{di}]", draw)
+        if dev is None:
+            continue
+        if dev.unit in units:
+            c.errors.append(f"{where}.devices[{di}].unit = {dev.unit}: two devices with one unit id on this bus")
+        units.add(dev.unit)
+        settings.devices.append(dev)
 
 
 def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
@@ -242,7 +446,11 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
     seen: set[str] = set()
     for i, raw in enumerate(ports):
         where = f"ports[{i}]"
-        p = c.table(where, raw, _PORT_KEYS)
+        p = c.table(where, raw, _PORT_KEYS | _MODBUS_PORT_KEYS)
+        if p.get("protocol") != "modbus-rtu":
+            for key in sorted(set(p) - _PORT_KEYS):
+                allowed = ", ".join(sorted(_PORT_KEYS))
+                c.errors.append(f'{where}.{key}: only for protocol "modbus-rtu" (allowed: {allowed})')
         path = c.str_(f"{where}.path", p.get("path"))
         if path is None:
             continue
@@ -253,6 +461,9 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
         if "protocol" in p:
             port.protocol = c.str_(f"{where}.protocol", p["protocol"], allowed=PROTOCOLS) or port.protocol
         port.max_line = NMEA_MAX_LINE if port.protocol == "nmea" else DEFAULT_MAX_LINE
+        if port.protocol == "modbus-rtu":
+            port.baudrate, port.parity = 19200, "E"  # Modbus over Serial Line V1.02, 2.5.1: 19200 bit/s, even parity
+            _modbus_port(c, where, p, port)
         if "baudrate" in p:
             port.baudrate = c.int_(f"{where}.baudrate", p["baudrate"], 50, 4_000_000) or port.baudrate
         if "bytesize" in p:
@@ -267,25 +478,37 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
                 c.errors.append(f"{where}.stopbits = {p['stopbits']!r}: must be 1, 1.5 or 2")
         if "rtscts" in p:
             port.rtscts = bool(c.bool_(f"{where}.rtscts", p["rtscts"]))
-        if "device" in p:
+        if "device" in p and port.protocol != "modbus-rtu":
             port.device = c.str_(f"{where}.device", p["device"], DEVICE_RE)
         elif port.protocol == "nmea":
             c.errors.append(f'{where}.device: required for protocol "nmea" (NMEA sentences name no device)')
         if "qos" in p:
             qos = c.int_(f"{where}.qos", p["qos"], 0, 2)
             port.qos = port.qos if qos is None else qos
-        if "max_line" in p:
+        if "max_line" in p and port.protocol != "modbus-rtu":
             port.max_line = c.int_(f"{where}.max_line", p["max_line"], 16, 65536) or port.max_line
         if "reopen_max" in p:
             v = c.duration(f"{where}.reopen_max", p["reopen_max"], 0.01, 3600)
             port.reopen_max = port.reopen_max if v is None else v
         cfg.ports.append(port)
+    _unique_devices(c, cfg.ports)
     if c.errors:
         raise ConfigError(c.errors, source)
     if not m.client_id:
         m.client_id = f"firmware-bridge-{cfg.gateway_id}"
     m.window = min(m.window, m.buffer)
     return cfg
+
+
+def _unique_devices(c: _Checker, ports: list[PortConfig]) -> None:
+    """A device id is a topic level: two ports (or two Modbus devices) must not claim the same one."""
+    seen: dict[str, str] = {}
+    for port in ports:
+        names = [d.name for d in port.modbus.devices] if port.modbus else ([port.device] if port.device else [])
+        for name in names:
+            if name in seen:
+                c.errors.append(f"device {name!r}: configured twice ({seen[name]} and {port.path})")
+            seen[name] = port.path
 
 
 def read_config(path: str | Path) -> BridgeConfig:
