@@ -117,6 +117,11 @@ class Broker(BrokerState):
             return
         conn.last_rx = now
         self.stats.bytes_received += len(data)
+        if conn.deferred is not None:  # max_publish_rate: a PUBLISH waits for its token (one comparison a read)
+            waiting = self._deferred(conn, data, now)
+            if waiting is None:
+                return
+            data = waiting
         if data and data[0] == 0x40 and conn.state == CONNECTED:
             pids, used = conn.reader.leading_pubacks(data)
             if pids:
@@ -132,8 +137,9 @@ class Broker(BrokerState):
                 if used == len(data) or conn.state == CLOSED:
                     return
                 data = data[used:]
+        packets = conn.reader.feed(data)
         try:
-            for packet in conn.reader.feed(data):
+            for packet in packets:
                 self.stats.messages_received += 1
                 if conn.state == CONNECTED:
                     handler = self._handlers.get(packet.TYPE)
@@ -160,10 +166,35 @@ class Broker(BrokerState):
                     conn.held.append(packet)  # handled once the throttled CONNECT is (issue 15)
                 else:
                     return
+        except inbound.ReadPaused as paused:
+            # Past max_publish_rate: this PUBLISH waits for its token; the bytes after it stay in the reader
+            # (PacketReader.feed keeps what it did not yield when closed); the I/O layer stops reading until
+            # conn.paused_until and then calls receive(conn, b"", now).
+            packets.close()
+            conn.deferred = paused.packet
         except UnsupportedProtocolVersion as exc:
             self._unsupported_version(conn, exc, now)
         except MQTTError as exc:
             self._protocol_error(conn, exc, now)
+
+    def _deferred(self, conn: Connection, data: bytes, now: float) -> bytes | None:
+        """Handle the PUBLISH that waited for a ``max_publish_rate`` token; return the bytes to go on with (those
+        that arrived meanwhile and ``data``), or ``None`` when it must wait longer (they are kept) or the
+        connection closed."""
+        packet = conn.deferred
+        waiting = conn.deferred_data + data if conn.deferred_data else data
+        conn.deferred = None
+        conn.deferred_data = b""
+        try:
+            inbound.on_publish(self, conn, packet, now)
+        except inbound.ReadPaused as paused:
+            conn.deferred = paused.packet
+            conn.deferred_data = waiting
+            return None
+        except MQTTError as exc:
+            self._protocol_error(conn, exc, now)
+            return None
+        return waiting if conn.state != CLOSED else None
 
     def resume(self, conn: Connection, now: float) -> None:
         """Go on with what :meth:`receive` left pending on ``conn`` (``conn.pending``): the next part of a run of

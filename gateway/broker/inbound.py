@@ -27,12 +27,21 @@ from gateway.mqtt.topics import require_topic, topic_name_error
 _STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 
 
+class ReadPaused(Exception):
+    """``max_publish_rate``: ``packet`` (a PUBLISH) waits for a token; :meth:`Broker.receive` keeps it and the bytes
+    after it until ``Connection.paused_until`` (not an error: nothing is sent, nothing closed)."""
+
+    def __init__(self, packet: Publish) -> None:
+        super().__init__("max_publish_rate")
+        self.packet = packet
+
+
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
     session = conn.session
     assert session is not None
     rate = conn.limits.max_publish_rate
     if rate:
-        spend_publish_token(core, conn, rate, now)
+        spend_publish_token(core, conn, p, rate, now)
     topic = p.topic
     props = p.properties
     v5 = conn.version == MQTT_5
@@ -138,28 +147,28 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         received(core, conn, session, pid, message, now, partial(_failed, core, conn, p, now))  # type: ignore[arg-type]
 
 
-def spend_publish_token(core: BrokerState, conn: Connection, rate: float, now: float) -> None:
+def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> None:
     """``max_publish_rate``: take one token from ``conn``'s bucket (``rate`` tokens a second, holding at most one
-    second's worth, at least 1). The PUBLISH is handled anyway (its bytes are read); a debt sets
-    ``conn.paused_until``, when the bucket is back at zero, and the I/O layer stops reading from the connection
-    until then, so the connection's average rate is ``rate`` (Mosquitto and EMQX throttle the same way, never
-    disconnect). Each pause is counted (``$SYS/broker/refused/max_publish_rate``) and logged at most once a
-    minute per client address."""
+    second's worth, at least 1). Without one, ``p`` waits: ``conn.paused_until`` is set to when the token is
+    there and :class:`ReadPaused` raised; the broker keeps ``p`` and the bytes after it, the I/O layer stops
+    reading from the connection until then (Mosquitto and EMQX throttle the same way, never disconnect). Each
+    pause is counted (``$SYS/broker/refused/max_publish_rate``) and logged at most once a minute per address."""
     tokens = conn.tokens + (now - conn.tokens_at) * rate
     burst = rate if rate > 1.0 else 1.0
     if tokens > burst:
         tokens = burst
     conn.tokens_at = now
-    tokens -= 1.0
-    conn.tokens = tokens
-    if tokens >= 0.0:
+    if tokens > 0.999999:  # 1, give or take the rounding of (now - tokens_at) * rate
+        conn.tokens = max(tokens - 1.0, 0.0)
         return
-    if conn.paused_until <= now:  # a new pause, not the same read's debt growing
+    conn.tokens = tokens
+    if conn.paused_until <= now:  # a new pause, not a resume that came a little early
         core.stats.refused["max_publish_rate"] += 1
         core.rlog.warning(now, peer_host(conn.peer), "max_publish_rate",
                           "%s (%s): more than max_publish_rate = %g PUBLISH/s; reading paused", conn.peer,
                           conn.client_id, rate)
-    conn.paused_until = now - tokens / rate
+    conn.paused_until = now + (1.0 - tokens) / rate
+    raise ReadPaused(p)
 
 
 def _failed(

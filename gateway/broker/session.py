@@ -139,6 +139,7 @@ class Connection:
         held / held_until: packets received while the CONNECT (the first of them) is held by the failure
             throttle, and when it is released (wall-clock seconds; state :data:`HELD`).
         tokens / tokens_at: the ``max_publish_rate`` token bucket (tokens, and when it was last filled).
+        deferred / deferred_data: the PUBLISH waiting for a token, and bytes read meanwhile (``max_publish_rate``).
         paused_until: wall-clock seconds until which the I/O layer must not read from this connection
             (``max_publish_rate``); the Keep Alive check counts from then.
     """
@@ -151,6 +152,8 @@ class Connection:
         "client_id",
         "close_after_flush",
         "connected_at",
+        "deferred",
+        "deferred_data",
         "held",
         "held_until",
         "inbound_pending",
@@ -219,6 +222,8 @@ class Connection:
         self.tokens = max(limits.max_publish_rate, 1.0)  # a full bucket (max_publish_rate, inbound.py)
         self.tokens_at = now
         self.paused_until = 0.0
+        self.deferred: Any = None
+        self.deferred_data = b""
 
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"

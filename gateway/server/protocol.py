@@ -222,6 +222,9 @@ class MQTTProtocol(asyncio.Protocol):
             io.loop.call_later(delay, self._rate_pause_over)
             return
         io.rate_paused.discard(self)
+        self.data_received(b"")  # the PUBLISH that waited and the bytes read after it (Broker.receive)
+        if self in io.rate_paused or self.transport is None or self.transport.is_closing():
+            return  # paused again, or closed
         if self not in io.throttled:
             transport.resume_reading()
 
