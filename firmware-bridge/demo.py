@@ -1,11 +1,14 @@
-"""`make demo`: the broker, a simulated sensor board and firmware-bridge, and the readings as they arrive.
+"""`make demo`: the broker, a simulated sensor board, a simulated Modbus energy meter and firmware-bridge, and the
+readings as they arrive.
 
 Runs, all on 127.0.0.1:
   edge-gateway serve                                   the broker on its embedded default (127.0.0.1:1883, ./var)
   firmware-bridge simulate --link var/demo/ttyBUOY0    a buoy replaying NERACOOS B01 sea-surface temperatures
+  firmware-bridge simulate --modbus --link var/demo/ttyMETER0
+                                                       an Eastron SDM120 meter (Modbus RTU, pymodbus's server)
   firmware-bridge run --config firmware-bridge/demo.toml
 and prints what a subscriber to sensors/gw-demo/# and bridge/gw-demo/events receives. Ctrl-C stops everything
-(the bridge first, so what it holds reaches the broker, then the board, then the broker).
+(the bridge first, so what it holds reaches the broker, then the boards, then the broker).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import paho.mqtt.client as mqtt
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 LINK = "var/demo/ttyBUOY0"
+METER_LINK = "var/demo/ttyMETER0"
 SHOW = (" WARNING ", " ERROR ", "ready", "listening on", " open (", "lost", "rebooted", "unreachable", "connected to")
 
 
@@ -108,8 +112,18 @@ def main() -> int:
                 ),
             )
         )
+        print(f"starting the simulated Modbus RTU energy meter ({METER_LINK}) ...", flush=True)
+        procs.append(
+            (
+                "meter",
+                _spawn(
+                    "meter",
+                    [str(BIN / "firmware-bridge"), "simulate", "--modbus", "--link", METER_LINK, "--rate", "2"],
+                ),
+            )
+        )
         deadline = time.monotonic() + 15
-        while not (ROOT / LINK).is_symlink() and time.monotonic() < deadline:
+        while not all((ROOT / p).is_symlink() for p in (LINK, METER_LINK)) and time.monotonic() < deadline:
             time.sleep(0.05)
         sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         sub.on_message = _on_message

@@ -22,6 +22,7 @@ firmware-bridge {__version__}: sensor boards on serial ports -> MQTT (the edge-g
   firmware-bridge run [--config PATH]      bridge the ports listed in PATH (default {DEFAULT_CONFIG})
   firmware-bridge check-config PATH        validate a config file; every bad key is named
   firmware-bridge simulate [--link PATH]   a fake sensor board on a pseudo-terminal (prints its path)
+  firmware-bridge simulate --modbus        a simulated Modbus RTU energy meter (Eastron SDM120 map) instead
 
 Wire format: firmware-bridge/PROTOCOL.md. Published messages: docs/message-format.md.
 """
@@ -42,6 +43,18 @@ Config file (TOML):
   baudrate = 115200
   protocol = "line-json"            # or "nmea" (then device = "..." is required)
   qos = 1
+
+  [[ports]]                         # Modbus RTU on RS-485 (firmware-bridge/PROTOCOL.md, "Modbus RTU")
+  path = "/dev/serial/by-id/usb-FTDI_..._if00-port0"
+  protocol = "modbus-rtu"
+  baudrate = 9600
+  parity = "even"
+  [[ports.devices]]
+  name = "meter-1"                  # sensors/<gateway_id>/meter-1
+  unit = 1
+  [[ports.devices.groups]]
+  interval = "10s"
+  registers = [{ name = "voltage", address = "30001", type = "float32", unit = "V" }]
 
 Signals: SIGTERM/SIGINT stop: the ports close, what is buffered gets 2 s to reach the broker, exit 0.
 SIGUSR1 writes every thread's stack to the log (for a bridge that seems stuck).
@@ -92,6 +105,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from firmware_bridge import simulator
 
     _setup_logging(args.log_level or "info")
+    if args.modbus:
+        from firmware_bridge import modbus_sim
+
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        return modbus_sim.run_demo(args.link, args.unit, 1.0 / args.rate, stop)
     try:
         simulator.load_b01_series()
     except RuntimeError as exc:
@@ -161,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--unplug-every", type=float, default=0.0, help="unplug for 2 s every N seconds")
     sim.add_argument("--reboot-every", type=float, default=0.0, help="reboot (boot+1, seq 0) every N seconds")
     sim.add_argument("--seed", type=int, help="random seed for the faults")
+    sim.add_argument(
+        "--modbus",
+        action="store_true",
+        help="a Modbus RTU slave instead: an Eastron SDM120 energy meter (its published register map, simulated "
+        "values; 2400 bit/s, no parity); --rate is how often its values change",
+    )
+    sim.add_argument("--unit", type=int, default=1, choices=range(1, 248), metavar="1..247", help="its unit id")
     sim.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     sim.set_defaults(func=_cmd_simulate)
     return parser
