@@ -53,7 +53,7 @@ def deliver(
     if conn is not None and qos and not conn.paused and not session.mqueue and len(session.inflight) < conn.window:
         send_new(core, session, conn, delivery, now)
         return
-    enqueue(core, session, delivery)
+    enqueue(core, session, delivery, now)
     if (
         conn is not None
         and len(session.mqueue) >= max(CONGESTION_MIN, 2 * conn.window)
@@ -62,7 +62,7 @@ def deliver(
         core.congested.add(session)
 
 
-def enqueue(core: BrokerState, session: Session, delivery: Delivery) -> None:
+def enqueue(core: BrokerState, session: Session, delivery: Delivery, now: float) -> None:
     """Queue ``delivery`` (recorded in the store for a persistent session) and apply the drop policy."""
     persistent = session.persistent
     if persistent and delivery.qos == 0 and not core.store.has_room(session.client_id):
@@ -75,26 +75,29 @@ def enqueue(core: BrokerState, session: Session, delivery: Delivery) -> None:
         core.store.delivery_saved(session.client_id, delivery)  # first: a stored entry may be paged out
     victim = mqueue.push(delivery)
     if victim is not None:
-        _queue_drop(core, session, victim, "mqueue_full", f"max_mqueue_len={mqueue.max_len}")
+        _queue_drop(core, session, victim, "mqueue_full", f"max_mqueue_len={mqueue.max_len}", now)
     while mqueue.over_quota():
-        _queue_drop(core, session, mqueue.drop_oldest(), "mqueue_quota", f"max_mqueue_bytes={mqueue.max_bytes}")
+        _queue_drop(core, session, mqueue.drop_oldest(), "mqueue_quota", f"max_mqueue_bytes={mqueue.max_bytes}", now)
 
 
-def _queue_drop(core: BrokerState, session: Session, victim: Delivery, reason: str, limit: str) -> None:
-    """Count, forget and (rate-limited) log a message the Message Queue dropped (seed 000)."""
+def _queue_drop(core: BrokerState, session: Session, victim: Delivery, reason: str, limit: str, now: float) -> None:
+    """Count, forget and log (at most once a minute per client and reason) a message the Message Queue dropped
+    (seed 000)."""
     if victim.qos == 0:
         reason += "_qos0"
     count = core.stats.dropped[reason] = core.stats.dropped[reason] + 1
     if session.persistent:
         core.store.delivery_deleted(session.client_id, victim)
-    if count in (1, 10, 100, 1000) or count % 10000 == 0:
-        log.warning(
-            "Message Queue of %r full (%s): dropped the oldest %s message (%d so far)",
-            session.client_id,
-            limit,
-            "QoS 0" if victim.qos == 0 else f"QoS {victim.qos}",
-            count,
-        )
+    core.rlog.warning(
+        now,
+        session.client_id,
+        reason,
+        "Message Queue of %r full (%s): dropped the oldest %s message (%d so far, all clients)",
+        session.client_id[:200],
+        limit,
+        "QoS 0" if victim.qos == 0 else f"QoS {victim.qos}",
+        count,
+    )
 
 
 def queue_rows_lost(core: BrokerState, client_id: str, seqs: list[int]) -> None:
