@@ -223,6 +223,39 @@ def test_config_register_mistakes_are_named() -> None:
         assert needle in text, text
 
 
+def test_protocol_md_full_example_is_valid_and_planned_as_documented() -> None:
+    """firmware-bridge/PROTOCOL.md's full example (an Eastron SDM120 and a PLC on one bus) is a valid config, and its
+    groups take the number of requests the text says."""
+    import re
+    import tomllib
+
+    text = (Path(__file__).resolve().parent.parent / "firmware-bridge" / "PROTOCOL.md").read_text()
+    section = text[text.index("## Modbus RTU") :]
+    block = re.search(r"```toml\n(.*?)```", section, re.S)
+    assert block is not None
+    cfg = load_config(tomllib.loads(block.group(1)))
+    port = cfg.ports[0]
+    assert port.modbus is not None and (port.baudrate, port.parity, port.stopbits) == (2400, "N", 1)
+    meter, plc = port.modbus.devices
+    assert [(r.function, r.address, r.count) for r in meter.groups[0].requests] == [
+        ("input", 0, 2),
+        ("input", 6, 2),
+        ("input", 12, 2),
+        ("input", 30, 2),
+        ("input", 70, 6),
+    ]
+    assert meter.register("demand_period") == modbus.Register(
+        "demand_period", "holding", 12, "float32", 2, unit="min", writable=True
+    )
+    assert [(r.function, r.address, r.count) for r in plc.groups[0].requests] == [
+        ("coil", 0, 1),
+        ("discrete_input", 0, 1),
+        ("holding", 0, 5),
+        ("holding", 10, 4),
+    ]
+    assert plc.register("flow_total").word_order == "little"  # type: ignore[union-attr]
+
+
 # -- end to end -------------------------------------------------------------------------------------------------
 
 # unit 2: every data type and order, at known holding register addresses (words by hand, as in VECTORS)
