@@ -631,9 +631,11 @@ def test_the_bus_is_never_driven_by_two_requests_at_once(rig: Rig) -> None:
             assert not prev.request or prev.data[0] == frame.data[0], "a response to another unit's request"
             continue
         if prev.request:  # the previous request was dropped (silent unit): the bridge waited its timeout
-            assert frame.t - prev.t >= TIMEOUT * 0.95, (prev, frame)
-        else:
-            assert frame.t - prev.t >= t35 * 0.9, (prev, frame)
+            # (the relay stamps a request when its thread gets to read it, possibly some ms after the bridge sent
+            # it: half the timeout is the bound; a request sent while another is pending would come at once)
+            assert frame.t - prev.t >= TIMEOUT * 0.5, (prev, frame)
+        else:  # causal: the bridge had the response only after the relay passed it on, then kept t3.5 of silence
+            assert frame.t - prev.t >= t35, (prev, frame)
         checked += 1
     assert checked > 50
 
