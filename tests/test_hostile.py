@@ -231,3 +231,34 @@ def test_publish_rate_limit_pauses_reading_and_never_disconnects(make_broker: Ma
     pair.finish()
     flood.close()
     sub.close()
+
+
+def test_topic_length_and_retained_limits_with_a_real_broker(make_broker: MakeBroker, uid: str) -> None:
+    """``max_topic_length`` = 100 and ``max_retained_messages`` = 3 on a real broker: a 5.0 client's PUBLISH to a
+    101-byte topic gets PUBACK 0x90, its SUBSCRIBE to a 101-byte filter SUBACK 0x8F, its fourth retained topic
+    PUBACK 0x97 while replacing one of the three works; the refusals are on ``$SYS``; the pair loses nothing."""
+    from gateway.mqtt.packets import PubAck, Publish, Suback, Subscribe, Subscription
+
+    broker = make_broker(CONFIG.replace("[listeners", "max_retained_messages = 3\n[listeners", 1)
+                         + "max_topic_length = 100\n")
+    pair = QoS1Pair(broker.port, uid, count=100).start()
+    client = RawClient(broker.port, version=5)
+    client.connect(f"{uid}-lim")
+    long_topic = f"{uid}/".ljust(101, "x")
+    client.send(Publish(long_topic, b"x", 1, packet_id=1))
+    assert client.recv() == PubAck(1, 0x90)
+    client.send(Subscribe(2, [Subscription(long_topic, 1)]))
+    assert client.recv() == Suback(2, [0x8F])
+    for pid in range(3, 6):
+        client.send(Publish(f"{uid}/r/{pid}", b"v", 1, retain=True, packet_id=pid))
+        assert client.recv().reason_code < 0x80  # type: ignore[union-attr]
+    client.send(Publish(f"{uid}/r/6", b"v", 1, retain=True, packet_id=6))
+    assert client.recv() == PubAck(6, 0x97)
+    client.send(Publish(f"{uid}/r/3", b"new", 1, retain=True, packet_id=7))
+    assert client.recv().reason_code < 0x80  # type: ignore[union-attr]
+    time.sleep(1.2)
+    assert sys_value(broker.port, "messages/dropped/max_topic_length") == 1
+    assert sys_value(broker.port, "refused/max_topic_length") == 1
+    assert sys_value(broker.port, "messages/dropped/max_retained_messages") == 1
+    pair.finish()
+    client.close()
