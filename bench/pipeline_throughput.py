@@ -129,13 +129,19 @@ def main() -> int:
             t_all = time.monotonic()
             for stage in jobs.STAGES:
                 t = time.monotonic()
-                stats.update(jobs.run(spark, cfg, stage, DAY, DAY))
+                jobs.RUNNERS[stage](spark, cfg, DAY, DAY)
                 stages[stage] = round(time.monotonic() - t, 2)
+            t = time.monotonic()
+            stats.update(jobs.stats(spark, cfg, list(jobs.STAGES), DAY, DAY))
+            stages["stats"] = round(time.monotonic() - t, 2)
             elapsed = time.monotonic() - t_all
             rate = counts["lines"] / elapsed
             runs.append({"run": label, "seconds": round(elapsed, 2), "records_per_s": round(rate), "stages": stages,
                          "tables": stats})
-            print(f"{label}: {counts['lines']:,} records in {elapsed:.1f}s = {rate:,.0f} records/s  stages {stages}")
+            load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+            runs[-1]["loadavg"] = load  # 1, 5, 15 min: above 2 the 2-core machine was shared with other work
+            print(f"{label}: {counts['lines']:,} records in {elapsed:.1f}s = {rate:,.0f} records/s  stages {stages}"
+                  f"  loadavg {' '.join(load)}")
         print(f"tables: {runs[-1]['tables']}")
         assert runs[-1]["tables"]["duplicates"] == counts["duplicates"], "dedup count differs from what was put in"
         assert runs[-1]["tables"]["quarantine"] == counts["malformed_lines"], "quarantine differs from what was put in"

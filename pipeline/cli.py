@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_range(run)
     _add_paths(run)
     _add_duration(run, "--lateness", "2d", "landing dates read past --to (default %(default)s)")
-    _add_duration(run, "--lookback", "1d", "completeness: days read before --from (default %(default)s)")
+    # --lookback (completeness read this much before --from) is gone: the seq_runs table carries what came before.
+    run.add_argument("--lookback", type=_option(parse_duration), help=argparse.SUPPRESS)
     _add_duration(run, "--max-clock-skew", "5m", "clamp sensor clocks further off than this")
     _add_duration(run, "--grace", "1h", "completeness: a period is closed this long after its end")
     run.add_argument("--as-of", type=parse_instant, help="'now' for closed periods (RFC 3339; default: now)")
@@ -195,11 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from pipeline import jobs
 
+        if args.lookback is not None:
+            logging.getLogger("pipeline.cli").warning(
+                "--lookback is ignored: rebuilds read what came before the range from the seq_runs table"
+            )
         cfg = jobs.JobConfig(
             landing=args.landing,
             tables=args.tables,
             lateness=args.lateness,
-            lookback=args.lookback,
             max_clock_skew=args.max_clock_skew,
             grace=args.grace,
             as_of=args.as_of,

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -40,7 +40,6 @@ class JobConfig:
     landing: str = "var/pipeline/landing"
     tables: str = "var/pipeline/tables"
     lateness: float = 2 * 86400.0  # landing dates read past the range: how late data may arrive and still count
-    lookback: float = 86400.0  # completeness looks this far before the range for a boot's earlier readings
     max_clock_skew: float = 300.0  # |sensor_time - gateway_time| above this: the sensor clock is clamped
     grace: float = 3600.0  # a completeness period is closed once its end is this far behind as_of
     as_of: dt.datetime | None = None  # "now" for closed periods (default: the wall clock at the run)
@@ -65,8 +64,8 @@ def _timestamp(text: Column) -> Column:
 
 
 def parse_landing(lines: DataFrame) -> DataFrame:
-    """Landing lines (``value``, ``source_file``) -> one row per line with the envelope fields parsed and
-    ``reasons``: every check the line fails (empty for a valid reading)."""
+    """Landing lines as text (``value``, ``source_file``; the streaming file source) -> one row per line with the
+    envelope fields parsed and ``reasons``: every check the line fails (empty for a valid reading)."""
     landed = F.from_json(F.col("value"), LANDING, {"mode": "PERMISSIVE"})
     df = lines.select(landed.alias("l"), "value", "source_file").select(
         F.col("l.topic").alias("topic"),
@@ -77,6 +76,32 @@ def parse_landing(lines: DataFrame) -> DataFrame:
         "value",
         "source_file",
     )
+    return _parse_envelope(df)
+
+
+def parse_landed(landed: DataFrame) -> DataFrame:
+    """Landing lines read by Spark's JSON source (:func:`pipeline.tables.read_landing`: the ``LANDING`` fields,
+    ``_corrupt_record``, ``source_file``) -> as :func:`parse_landing`. The JSON source parses each line straight
+    from the file's bytes (one pass less than text + ``from_json``); a line that is not a JSON object keeps its
+    text in ``_corrupt_record``, and one without ``topic`` or ``arrival`` is re-serialised for the quarantine."""
+    arrival_time = F.try_to_timestamp(F.col("arrival"))
+    bad_line = F.col("topic").isNull() | arrival_time.isNull()
+    rebuilt = F.to_json(F.struct(*[F.col(f.name) for f in LANDING.fields]))
+    df = landed.select(
+        "topic",
+        arrival_time.alias("arrival_time"),
+        "msg_id",
+        "payload",
+        "payload_b64",
+        F.when(bad_line, F.coalesce(F.col("_corrupt_record"), rebuilt)).alias("value"),
+        "source_file",
+    )
+    return _parse_envelope(df)
+
+
+def _parse_envelope(df: DataFrame) -> DataFrame:
+    """Rows with ``topic``, ``arrival_time``, ``msg_id``, ``payload``, ``payload_b64``, ``value`` (the raw line),
+    ``source_file`` -> the envelope parsed from ``payload`` and ``reasons``."""
     envelope = F.from_json(F.col("payload"), ENVELOPE, {"mode": "PERMISSIVE", "allowNonNumericNumbers": "false"})
     df = df.withColumn("e", envelope)
     e = F.col("e")
@@ -220,18 +245,50 @@ def windows(readings: DataFrame, duration: str = "1 minute") -> DataFrame:
     )
 
 
-def completeness(readings: DataFrame, as_of: dt.datetime, grace: float, period: str = "hour") -> DataFrame:
+def seq_runs(readings: DataFrame) -> DataFrame:
+    """Per (gateway, device, boot, date): each run of consecutive ``seq`` present (``first``..``last``).
+
+    The state completeness reads from outside a rebuilt range: a few rows per device and day, one more per gap."""
+    day = Window.partitionBy("gateway_id", "device", "boot", "date").orderBy("seq")
+    r = readings.select("gateway_id", "device", "boot", "seq", "date").withColumn(
+        "run", F.col("seq") - F.row_number().over(day)
+    )
+    return r.groupBy("gateway_id", "device", "boot", "date", "run").agg(
+        F.min("seq").alias("first"), F.max("seq").alias("last")
+    ).select("gateway_id", "device", "boot", "first", "last", "date")
+
+
+def completeness(
+    readings: DataFrame, as_of: dt.datetime, grace: float, period: str = "hour", history: DataFrame | None = None
+) -> DataFrame:
     """Per (gateway, device, boot, period): readings received vs expected from ``seq``.
 
     Within a boot, a jump from seq a to seq b > a+1 is the missing range a+1..b-1, counted in the period of the
     reading that reveals it (b). A boot with an earlier boot of the same device in the data is a reboot: seq
     restarted at 0, so a first reading with seq s > 0 reveals the missing range 0..s-1. Readings lost after a
     boot's last received one cannot be seen from seq. ``closed`` says the period ended at least ``grace`` before
-    ``as_of``; an open period may still gain late readings."""
+    ``as_of``; an open period may still gain late readings.
+
+    ``history`` (``seq_runs`` rows of every date outside ``readings``' range, however far back or ahead) stands in
+    for the readings not passed: the last seq of each run is the only one that can precede a reading of the range,
+    and its boot tells which boot came first. With it, a range gives the rows a run over all the data gives."""
     device = Window.partitionBy("gateway_id", "device")
     boot = Window.partitionBy("gateway_id", "device", "boot").orderBy("seq")
-    r = readings.select("gateway_id", "device", "boot", "seq", "event_time")
+    r = readings.select("gateway_id", "device", "boot", "seq", "event_time", F.lit(False).alias("state"))
+    if history is not None:
+        # stand-ins: one row per run outside the range, at its last seq (no event time; dropped after the windows)
+        r = r.unionByName(
+            history.select(
+                "gateway_id",
+                "device",
+                "boot",
+                F.col("last").alias("seq"),
+                F.lit(None).cast("timestamp").alias("event_time"),
+                F.lit(True).alias("state"),
+            )
+        )
     r = r.withColumn("first_boot", F.min("boot").over(device)).withColumn("prev", F.lag("seq").over(boot))
+    r = r.where(~F.col("state"))
     reboot_start = F.col("prev").isNull() & (F.col("boot") > F.col("first_boot"))
     gap_first = F.when(reboot_start & (F.col("seq") > 0), F.lit(0).cast("long")).when(
         F.col("seq") - F.col("prev") > 1, F.col("prev") + 1
@@ -336,13 +393,10 @@ def _in_range(first: dt.date, last: dt.date) -> Column:
     return F.col("date").between(F.lit(first), F.lit(last))
 
 
-def _count(spark: SparkSession, cfg: JobConfig, name: str, first: dt.date, last: dt.date) -> int:
-    return tbl.read_table(spark, cfg.tables, name, first, last).count()
-
-
-def run_clean(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> dict[str, int]:
+def run_clean(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> None:
+    """landing (arrival dates first-1 .. last+lateness) -> ``clean`` and ``quarantine`` for first..last."""
     landing_days = _days(first - dt.timedelta(days=1), last + dt.timedelta(days=max(0, int(-(-cfg.lateness // 86400)))))
-    parsed = parse_landing(tbl.read_landing(spark, cfg.landing, landing_days))
+    parsed = parse_landed(tbl.read_landing(spark, cfg.landing, landing_days))
     # parsed once, written twice (clean, quarantine): cache it without the raw text the valid rows no longer need
     bad = F.size("reasons") > 0
     parsed = (parsed.withColumn("payload", F.when(bad, F.col("payload")))
@@ -354,51 +408,75 @@ def run_clean(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date
         tbl.replace_partitions(spark, quarantine.where(_in_range(first, last)), cfg.tables, "quarantine", days)
     finally:
         parsed.unpersist()
-    return {
-        "clean": _count(spark, cfg, "clean", first, last),
-        "quarantine": _count(spark, cfg, "quarantine", first, last),
-    }
 
 
-def run_dedup(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> dict[str, int]:
+def run_dedup(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> None:
+    """``clean`` -> ``readings`` and ``seq_runs`` (the state later rebuilds of other dates read) for first..last."""
     rows = tbl.read_table(spark, cfg.tables, "clean", first, last)
     tbl.replace_partitions(spark, dedup(rows), cfg.tables, "readings", _days(first, last))
     readings = tbl.read_table(spark, cfg.tables, "readings", first, last)
-    stats = readings.agg(F.count(F.lit(1)).alias("n"), F.sum(F.col("copies") - 1).alias("d")).first()
-    assert stats is not None
-    return {"readings": int(stats["n"]), "duplicates": int(stats["d"] or 0)}
+    tbl.replace_partitions(spark, seq_runs(readings), cfg.tables, "seq_runs", _days(first, last))
 
 
-def run_windows(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> dict[str, int]:
+def run_windows(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> None:
+    """``readings`` -> ``windows`` for first..last."""
     rows = tbl.read_table(spark, cfg.tables, "readings", first, last)
     tbl.replace_partitions(
         spark, windows(rows).where(_in_range(first, last)), cfg.tables, "windows", _days(first, last)
     )
-    return {"windows": _count(spark, cfg, "windows", first, last)}
 
 
-def run_completeness(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> dict[str, int]:
-    start = first - dt.timedelta(days=max(0, int(-(-cfg.lookback // 86400))))
-    rows = tbl.read_table(spark, cfg.tables, "readings", start, last)
+def run_completeness(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> None:
+    """``readings`` of first..last and ``seq_runs`` of every other date -> ``completeness`` for first..last."""
+    rows = tbl.read_table(spark, cfg.tables, "readings", first, last)
+    history = tbl.read_table_outside(spark, cfg.tables, "seq_runs", first, last)
     as_of = cfg.as_of or dt.datetime.now(dt.UTC)
-    table = completeness(rows, as_of, cfg.grace).where(_in_range(first, last))
+    table = completeness(rows, as_of, cfg.grace, history=history)
     tbl.replace_partitions(spark, table, cfg.tables, "completeness", _days(first, last))
-    stats = (
-        tbl.read_table(spark, cfg.tables, "completeness", first, last)
-        .agg(F.count(F.lit(1)).alias("n"), F.sum("missing").alias("m"), F.sum(F.col("reboot").cast("int")).alias("r"))
-        .first()
-    )
-    assert stats is not None
-    return {"completeness": int(stats["n"]), "missing": int(stats["m"] or 0), "reboots": int(stats["r"] or 0)}
 
 
-def run_latency(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> dict[str, int]:
+def run_latency(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> None:
+    """``readings`` -> ``latency`` for first..last."""
     rows = tbl.read_table(spark, cfg.tables, "readings", first, last)
     tbl.replace_partitions(spark, latency(rows), cfg.tables, "latency", _days(first, last))
-    return {"latency": _count(spark, cfg, "latency", first, last)}
 
 
-RUNNERS: dict[str, Any] = {
+def _stat_columns() -> dict[str, list[tuple[str, str, Column]]]:
+    """What each stage reports of the tables it wrote: (table, name, aggregate). Built when called: a Column needs
+    the running SparkContext."""
+    one = F.count(F.lit(1))
+    return {
+        "clean": [("clean", "clean", one), ("quarantine", "quarantine", one)],
+        "dedup": [("readings", "readings", one), ("readings", "duplicates", F.sum(F.col("copies") - 1))],
+        "windows": [("windows", "windows", one)],
+        "completeness": [
+            ("completeness", "completeness", one),
+            ("completeness", "missing", F.sum("missing")),
+            ("completeness", "reboots", F.sum(F.col("reboot").cast("long"))),
+        ],
+        "latency": [("latency", "latency", one)],
+    }
+
+
+def stats(spark: SparkSession, cfg: JobConfig, stages: list[str], first: dt.date, last: dt.date) -> dict[str, int]:
+    """Row counts (and sums) of what ``stages`` wrote for first..last, in one Spark job: one aggregate per table,
+    unioned (Parquet footers answer plain counts)."""
+    wanted = _stat_columns()
+    frames = []
+    for table in dict.fromkeys(t for s in stages for t, _, _ in wanted[s]):
+        aggs = [agg.cast("long").alias(name) for s in stages for t, name, agg in wanted[s] if t == table]
+        row = tbl.read_table(spark, cfg.tables, table, first, last).agg(*aggs)
+        frames.append(row.select(F.explode(F.map_from_arrays(F.array(*[F.lit(c) for c in row.columns]),
+                                                             F.array(*row.columns)))))  # fmt: skip
+    out: dict[str, int] = {}
+    for frame in frames[1:]:
+        frames[0] = frames[0].unionByName(frame)
+    for r in frames[0].collect() if frames else []:
+        out[r["key"]] = int(r["value"] or 0)
+    return {name: out[name] for s in stages for _, name, _ in wanted[s]}
+
+
+RUNNERS: dict[str, Callable[[SparkSession, JobConfig, dt.date, dt.date], None]] = {
     "clean": run_clean,
     "dedup": run_dedup,
     "windows": run_windows,
@@ -408,13 +486,16 @@ RUNNERS: dict[str, Any] = {
 
 
 def run(spark: SparkSession, cfg: JobConfig, stage: str, first: dt.date, last: dt.date) -> dict[str, int]:
-    """Run one stage, or ``all`` of them in order; returns row counts of what was written."""
+    """Run one stage, or ``all`` of them in order, in this one SparkSession; returns row counts of what was
+    written (one Spark job for all of them, after the writes)."""
     if last < first:
         raise ValueError(f"--to {last} is before --from {first}")
-    stats: dict[str, int] = {}
-    for name in STAGES if stage == "all" else (stage,):
+    names = list(STAGES) if stage == "all" else [stage]
+    for name in names:
         if name not in RUNNERS:
             raise ValueError(f"unknown stage {name!r} (one of {', '.join(STAGES)}, all)")
-        stats.update(RUNNERS[name](spark, cfg, first, last))
-        log.info("%s %s..%s: %s", name, first, last, stats)
-    return stats
+        RUNNERS[name](spark, cfg, first, last)
+        log.info("%s %s..%s written", name, first, last)
+    result = stats(spark, cfg, names, first, last)
+    log.info("%s %s..%s: %s", stage, first, last, result)
+    return result

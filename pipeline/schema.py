@@ -133,9 +133,23 @@ LATENCY = T.StructType(
     ]
 )
 
+# seq_runs: the state completeness needs from outside a rebuilt range. Per (gateway, device, boot, date), each run of
+# consecutive seq present in readings (first..last): a few rows per device and day (one more per gap).
+SEQ_RUNS = T.StructType(
+    [
+        T.StructField("gateway_id", T.StringType()),
+        T.StructField("device", T.StringType()),
+        T.StructField("boot", T.LongType()),
+        T.StructField("first", T.LongType()),
+        T.StructField("last", T.LongType()),
+        T.StructField("date", T.DateType()),
+    ]
+)
+
 TABLES = {
     "clean": CLEAN,
     "readings": READINGS,
+    "seq_runs": SEQ_RUNS,
     "quarantine": QUARANTINE,
     "windows": WINDOWS,
     "completeness": COMPLETENESS,

@@ -10,7 +10,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
-from pipeline.schema import TABLES
+from pipeline.schema import LANDING, TABLES
 
 
 def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
@@ -38,15 +38,24 @@ def existing_date_dirs(spark: SparkSession, root: str, dates: list[dt.date]) -> 
 
 
 def read_landing(spark: SparkSession, landing: str, dates: list[dt.date]) -> DataFrame:
-    """The landed lines of the given arrival dates: columns ``value`` (the line) and ``source_file``. Only visible
-    ``*.jsonl`` files are read (the lander's hidden ``.part-...inprogress`` files never are)."""
+    """The landed lines of the given arrival dates, parsed by Spark's JSON source: the ``LANDING`` fields,
+    ``_corrupt_record`` (the text of a line that is not a JSON object, else null) and ``source_file``. Only
+    visible ``*.jsonl`` files are read (the lander's hidden ``.part-...inprogress`` files never are)."""
     from pyspark.sql import functions as F
 
+    schema = T.StructType([*LANDING.fields, T.StructField("_corrupt_record", T.StringType())])
     paths = existing_date_dirs(spark, landing, dates)
     if not paths:
-        empty = spark.createDataFrame([], T.StructType([T.StructField("value", T.StringType())]))
+        empty = spark.createDataFrame([], schema)
         return empty.withColumn("source_file", F.lit(None).cast("string"))
-    lines = spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", "*.jsonl").text(paths)
+    lines = (
+        spark.read.schema(schema)
+        .option("mode", "PERMISSIVE")
+        .option("columnNameOfCorruptRecord", "_corrupt_record")
+        .option("recursiveFileLookup", "true")
+        .option("pathGlobFilter", "*.jsonl")
+        .json(paths)
+    )
     return lines.withColumn("source_file", F.col("_metadata.file_path"))
 
 
@@ -66,6 +75,19 @@ def read_table(spark: SparkSession, tables: str, name: str, first: dt.date, last
         return spark.createDataFrame([], schema)
     df = spark.read.option("basePath", root).schema(schema).parquet(*paths)
     return df.select(*schema.fieldNames())
+
+
+def read_table_outside(spark: SparkSession, tables: str, name: str, first: dt.date, last: dt.date) -> DataFrame:
+    """Rows of table ``name`` of every date before ``first`` or after ``last`` (partition pruning on ``date``)."""
+    from pyspark.sql import functions as F
+
+    root = table_path(tables, name)
+    fs, hroot = _fs(spark, root)
+    schema = TABLES[name]
+    if not fs.exists(hroot) or not any(s.getPath().getName().startswith("date=") for s in fs.listStatus(hroot)):
+        return spark.createDataFrame([], schema)
+    df = spark.read.schema(schema).parquet(root).select(*schema.fieldNames())
+    return df.where(~F.col("date").between(F.lit(first), F.lit(last)))
 
 
 def replace_partitions(spark: SparkSession, df: DataFrame, tables: str, name: str, dates: list[dt.date]) -> None:
