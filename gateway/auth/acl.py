@@ -47,9 +47,9 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from gateway.auth.textfile import FileLineError, read_text
 from gateway.mqtt.topics import topic_filter_error
 
 #: Access bits of a rule (``deny`` is 0, as ``MOSQ_ACL_NONE`` in Mosquitto).
@@ -61,14 +61,8 @@ _SUBSTITUTION = re.compile(r"%[cu]")
 CACHE_TOPICS = 1024
 
 
-class AclFileError(ValueError):
+class AclFileError(FileLineError):
     """An ACL file that cannot be read or parsed; ``str()`` is ``"<path>:<line>: <reason>"``."""
-
-    def __init__(self, path: str, line: int, reason: str) -> None:
-        self.path = path
-        self.line = line
-        self.reason = reason
-        super().__init__(f"{path}:{line}: {reason}" if line else f"{path}: {reason}")
 
 
 class Readable(enum.Enum):
@@ -287,15 +281,7 @@ class Acl:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Acl:
         """Read and parse ``path``; :class:`AclFileError` names the file, the line and the reason."""
-        name = os.fspath(path)
-        try:
-            data = Path(name).read_bytes()
-        except OSError as exc:
-            raise AclFileError(name, 0, f"cannot read: {exc.strerror or exc}") from None
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise AclFileError(name, data[: exc.start].count(b"\n") + 1, "not UTF-8") from None
+        name, text = read_text(path, AclFileError)
         return cls.parse(text, name)
 
     @classmethod

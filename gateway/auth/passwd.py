@@ -30,7 +30,8 @@ import secrets
 import stat
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+
+from gateway.auth.textfile import FileLineError, read_text
 
 #: PBKDF2 rounds ``mosquitto_passwd`` of Mosquitto 2.0 writes (``PW_DEFAULT_ITERATIONS``, ``password_mosq.h``).
 DEFAULT_ITERATIONS = 101
@@ -42,15 +43,8 @@ HASH_LEN = 64
 MAX_ITERATIONS = 10_000_000
 
 
-class PasswordFileError(ValueError):
+class PasswordFileError(FileLineError):
     """A password file that cannot be read or parsed; ``str()`` is ``"<path>:<line>: <reason>"``."""
-
-    def __init__(self, path: str, line: int, reason: str) -> None:
-        self.path = path
-        self.line = line
-        self.reason = reason
-        where = f"{path}:{line}" if line else path
-        super().__init__(f"{where}: {reason}")
 
 
 def _b64decode(text: str, what: str) -> bytes:
@@ -161,16 +155,7 @@ class PasswordFile:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PasswordFile:
         """Read and parse ``path``; :class:`PasswordFileError` names the file, the line and the reason."""
-        name = os.fspath(path)
-        try:
-            data = Path(name).read_bytes()
-        except OSError as exc:
-            raise PasswordFileError(name, 0, f"cannot read: {exc.strerror or exc}") from None
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = data[: exc.start].count(b"\n") + 1
-            raise PasswordFileError(name, line, "not UTF-8") from None
+        name, text = read_text(path, PasswordFileError)
         return cls.parse(text, name)
 
     @classmethod
