@@ -4,9 +4,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients systemd
+APT_PACKAGES := mosquitto mosquitto-clients systemd chromium
 
-.PHONY: demo test lint venv deps clean bench soak fuzz image image-test image-deps
+.PHONY: demo test test-cluster lint venv deps clean bench soak fuzz image image-test image-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 venv: $(VENV)/.installed
 
-# Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer).
+# Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; chromium renders the
+# pipeline report headless).
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -55,6 +56,12 @@ $(AMQTT_VENV)/.installed:
 
 bench: venv deps $(AMQTT_VENV)/.installed
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+# The fleet pipeline on a Spark standalone cluster (tests/test_pipeline_cluster.py; not part of `make test`: about
+# 4 min on the shared 2-core machine): a master and two workers on 127.0.0.1, spark-submit of `run all`, every table
+# compared with the local[*] run.
+test-cluster: venv deps
+	FLEET_CLUSTER_TEST=1 $(BIN)/python -m pytest tests/test_pipeline_cluster.py -q
 
 # Soak test (bench/soak.py, issue 13; not part of `make test`): 30 min of normal QoS 1 pairs beside hostile clients
 # (long names, stuck subscribers, garbage, floods), the broker killed with kill -9 every 180 s; fails when an
