@@ -39,14 +39,22 @@ def _iso(t: float, ms: bool = True) -> str:
     return d.strftime("%Y-%m-%dT%H:%M:%S.") + (f"{d.microsecond // 1000:03d}Z" if ms else f"{d.microsecond:06d}Z")
 
 
-def generate(landing: Path, records: int, seed: int = 8) -> dict[str, int]:
-    """Write about ``records`` landing lines; returns what was put in (lines, readings, duplicates, ...)."""
+def generate(landing: Path, records: int, seed: int = 8, outages: int = 0) -> dict[str, int]:
+    """Write about ``records`` landing lines; returns what was put in (lines, readings, duplicates, ...).
+    ``outages``: that many gateways lose every reading for 20-120 minutes, and as many devices for 15-90 (for the
+    report's outage timeline; 0 for the throughput figures)."""
     rng = random.Random(seed)
     day0 = dt.datetime(DAY.year, DAY.month, DAY.day, tzinfo=dt.UTC).timestamp()
     devices = GATEWAYS * DEVICES
     per_device = max(1, round(records / (0.995 * 1.02) / devices))  # 0.5% lost, 2% sent twice
     counts = {"lines": 0, "readings": 0, "duplicates": 0, "lost": 0, "malformed": 0, "malformed_lines": 0,
               "clamped": 0}
+    span = per_device * PERIOD
+    gw_out = {g: (t := rng.uniform(0, span * 0.8), t + rng.uniform(1200, 7200)) for g in rng.sample(range(GATEWAYS),
+                                                                                            min(outages, GATEWAYS))}
+    dev_out = {(g, d): (t := rng.uniform(0, span * 0.8), t + rng.uniform(900, 5400))
+               for g, d in rng.sample([(g, d) for g in range(GATEWAYS) for d in range(DEVICES)],
+                                      min(outages, GATEWAYS * DEVICES))}
     for g in range(GATEWAYS):
         gw = f"gw-{g:04d}"
         hours: dict[int, list[str]] = {}
@@ -57,7 +65,8 @@ def generate(landing: Path, records: int, seed: int = 8) -> dict[str, int]:
             for i in range(per_device):
                 boot, seq = (7, i) if i < reboot_at else (8, i - reboot_at)
                 gt = day0 + 5 + i * PERIOD + rng.random()
-                if rng.random() < 0.005:
+                silent = [w for w in (gw_out.get(g), dev_out.get((g, d))) if w and w[0] <= gt - day0 < w[1]]
+                if silent or rng.random() < 0.005:
                     counts["lost"] += 1
                     continue
                 st = gt - 0.2 - rng.random() * 0.3
@@ -99,10 +108,16 @@ def main() -> int:
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--gateways", type=int, default=50, help="gateways (4 devices each; default 50)")
+    parser.add_argument("--outages", type=int, default=0, help="gateways and devices with an outage (default 0)")
+    parser.add_argument("--report", help="also write the fleet report of the result to this HTML file")
     args = parser.parse_args()
 
     from pipeline import jobs
     from pipeline.spark import get_spark
+
+    global GATEWAYS
+    GATEWAYS = args.gateways
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-bench-"))
     landing, tables = work / "landing", work / "tables"
@@ -110,7 +125,7 @@ def main() -> int:
     shutil.rmtree(tables, ignore_errors=True)
     try:
         t0 = time.monotonic()
-        counts = generate(landing, args.records)
+        counts = generate(landing, args.records, outages=args.outages)
         gen_s = time.monotonic() - t0
         size = sum(p.stat().st_size for p in landing.rglob("*.jsonl"))
         files = sum(1 for _ in landing.rglob("*.jsonl"))
@@ -123,7 +138,7 @@ def main() -> int:
               f"{spark.conf.get('spark.sql.shuffle.partitions')}, started in {start_s:.1f}s")
         cfg = jobs.JobConfig(landing=str(landing), tables=str(tables), as_of=dt.datetime(2024, 5, 3, tzinfo=dt.UTC))
         runs = []
-        for label in ("first run", "rebuild"):
+        for label in ("first run", "rebuild") if not args.report else ("first run",):
             stages: dict[str, float] = {}
             stats: dict[str, int] = {}
             t_all = time.monotonic()
@@ -145,6 +160,12 @@ def main() -> int:
         print(f"tables: {runs[-1]['tables']}")
         assert runs[-1]["tables"]["duplicates"] == counts["duplicates"], "dedup count differs from what was put in"
         assert runs[-1]["tables"]["quarantine"] == counts["malformed_lines"], "quarantine differs from what was put in"
+        if args.report:
+            from pipeline.report import write_report
+
+            t = time.monotonic()
+            write_report(spark, str(tables), DAY, DAY, args.report, generated=dt.datetime.now(dt.UTC))
+            print(f"report {args.report} in {time.monotonic() - t:.1f}s")
         spark.stop()
         if args.json:
             Path(args.json).write_text(json.dumps({"records": counts["lines"], "input": counts, "runs": runs},

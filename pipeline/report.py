@@ -6,15 +6,21 @@ import base64
 import datetime as dt
 import html
 import io
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyspark.sql import SparkSession
+from pyspark.sql import SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline import jobs
 from pipeline import tables as tbl
+
+SILENCE = 600.0  # seconds without a reading before a device counts as silent (missing data)
+# Okabe-Ito: a palette readable with every common colour-vision deficiency
+OI = {"orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442", "blue": "#0072B2",
+      "vermillion": "#D55E00", "purple": "#CC79A7", "black": "#000000", "grey": "#999999"}  # fmt: skip
 
 STAGE_LABELS = {
     "sensor_to_gateway": "sensor -> gateway",
@@ -34,6 +40,11 @@ class ReportData:
     series: list[dict[str, Any]]  # 1-minute windows of one device and quantity
     missing_ranges: list[dict[str, Any]]
     quarantine: list[dict[str, Any]]  # per reason
+    now: dt.datetime | None = None  # the newest event time in the range: "now" for what is missing
+    silence: float = SILENCE
+    devices: list[dict[str, Any]] = field(default_factory=list)  # per device: first, last, readings
+    silences: list[dict[str, Any]] = field(default_factory=list)  # per device: start, end of each silence
+    latency_hourly: list[dict[str, Any]] = field(default_factory=list)  # fleet-wide, per stage and hour
 
 
 def collect(spark: SparkSession, tables: str, first: dt.date, last: dt.date, series: str | None = None) -> ReportData:
@@ -133,7 +144,45 @@ def collect(spark: SparkSession, tables: str, first: dt.date, last: dt.date, ser
             .select("window_start", "min", "max", "mean", "unit", "count")
             .collect()
         ]
-    return ReportData(first, last, gateways, hourly, latency, name, points, ranges, quarantine)
+    data = ReportData(first, last, gateways, hourly, latency, name, points, ranges, quarantine)
+    _collect_silences(readings, data)
+    for rows in (data.gateways, data.hourly, data.latency, data.series, data.missing_ranges, data.devices,
+                 data.silences, data.latency_hourly):  # fmt: skip
+        for r in rows:
+            for k, v in r.items():
+                if isinstance(v, dt.datetime):
+                    r[k] = _utc(v)
+    data.now = _utc(data.now) if data.now else None
+    return data
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    """A timestamp as PySpark collects it (naive, the Python process's local time) -> naive UTC."""
+    if value.tzinfo is not None:
+        return value.astimezone(dt.UTC).replace(tzinfo=None)
+    return dt.datetime.fromtimestamp(value.timestamp(), dt.UTC).replace(tzinfo=None)
+
+
+def _collect_silences(readings: Any, data: ReportData) -> None:
+    """Devices' first/last readings, their silences (no reading for more than ``SILENCE`` seconds, from the lag
+    of ``event_time`` per device), and fleet-wide latency per stage and hour (exact percentiles)."""
+    devices = readings.groupBy("gateway_id", "device").agg(
+        F.min("event_time").alias("first"), F.max("event_time").alias("last"), F.count(F.lit(1)).alias("readings")
+    )
+    data.devices = [r.asDict() for r in devices.orderBy("gateway_id", "device").collect()]
+    data.now = max((d["last"] for d in data.devices), default=None)  # made UTC with the rest by collect()
+    w = Window.partitionBy("gateway_id", "device").orderBy("event_time")
+    gaps = (
+        readings.select("gateway_id", "device", "event_time")
+        .withColumn("start", F.lag("event_time").over(w))
+        .where(F.unix_micros("event_time") - F.unix_micros("start") > int(SILENCE * 1e6))
+        .select("gateway_id", "device", "start", F.col("event_time").alias("end"))
+        .limit(50_000)
+    )
+    data.silences = [r.asDict() for r in gaps.collect()]
+    hourly = jobs.latency(readings.withColumn("gateway_id", F.lit("fleet")).withColumn(
+        "date", F.date_trunc("hour", "event_time")))
+    data.latency_hourly = [r.asDict() for r in hourly.orderBy("stage", "date").collect()]
 
 
 def _png(fig: Any) -> str:
@@ -149,105 +198,169 @@ def _completeness_pct(g: dict[str, Any]) -> float:
     return 100.0 * g["received"] / g["expected"]
 
 
+Interval = tuple[dt.datetime, dt.datetime]
+
+
+def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The times in both sorted interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def device_silences(data: ReportData) -> dict[tuple[str, str], list[Interval]]:
+    """Per (gateway, device): its silences, sorted: the gaps between readings longer than ``data.silence``, from
+    the range's start to a late first reading, and from its last reading to ``now`` (still missing)."""
+    start = dt.datetime(data.first.year, data.first.month, data.first.day)
+    out: dict[tuple[str, str], list[Interval]] = {(d["gateway_id"], d["device"]): [] for d in data.devices}
+    limit = dt.timedelta(seconds=data.silence)
+    for d in data.devices:
+        if d["first"] - start > limit:
+            out[(d["gateway_id"], d["device"])].append((start, d["first"]))
+    for g in data.silences:
+        out.setdefault((g["gateway_id"], g["device"]), []).append((g["start"], g["end"]))
+    for d in data.devices:
+        if data.now is not None and data.now - d["last"] > limit:
+            out[(d["gateway_id"], d["device"])].append((d["last"], data.now))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def gateway_outages(silences: dict[tuple[str, str], list[Interval]]) -> dict[str, list[Interval]]:
+    """Per gateway: when every one of its devices was silent at once (the gateway, or its uplink, was out)."""
+    by_gw: dict[str, list[list[Interval]]] = {}
+    for (gw, _), intervals in silences.items():
+        by_gw.setdefault(gw, []).append(intervals)
+    out = {}
+    for gw, lists in by_gw.items():
+        common = lists[0]
+        for other in lists[1:]:
+            common = _intersect(common, other)
+        out[gw] = common
+    return out
+
+
+def _seconds(intervals: list[Interval]) -> float:
+    return sum((b - a).total_seconds() for a, b in intervals)
+
+
 def plots(data: ReportData) -> dict[str, str]:
-    """name -> base64 PNG. Per-gateway plots show at most MAX_ROWS gateways, worst first."""
+    """name -> base64 PNG: the outage timeline, completeness per gateway, latency per stage and hour, one series."""
+    from matplotlib import dates as mdates
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
     out: dict[str, str] = {}
+    silences = device_silences(data)
+    outages = gateway_outages(silences)
+    utc = "time (UTC)"
+
+    # 1. outage timeline: one row per gateway with a silence, the most silent device-time first
+    per_gw: dict[str, float] = {}
+    for (gw, _), intervals in silences.items():
+        per_gw[gw] = per_gw.get(gw, 0.0) + _seconds(intervals)
+    rows = sorted((g for g, sec in per_gw.items() if sec > 0), key=lambda g: (-per_gw[g], g))
+    fig = Figure(figsize=(10, 1.6 + 0.16 * max(1, len(rows))), layout="constrained")
+    ax = fig.subplots()
+    for y, gw in enumerate(rows):
+        for (g, _), intervals in silences.items():
+            if g == gw:
+                ax.broken_barh([(mdates.date2num(a), mdates.date2num(b) - mdates.date2num(a)) for a, b in intervals],
+                               (y - 0.35, 0.7), color=OI["orange"], alpha=0.45, linewidth=0)  # fmt: skip
+        ax.broken_barh([(mdates.date2num(a), mdates.date2num(b) - mdates.date2num(a)) for a, b in outages.get(gw, [])],
+                       (y - 0.35, 0.7), color=OI["vermillion"], linewidth=0)  # fmt: skip
+    ax.set_yticks(range(len(rows)), rows, fontsize=6 if len(rows) > 40 else 8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(mdates.date2num(dt.datetime(data.first.year, data.first.month, data.first.day)),
+                mdates.date2num(data.now or dt.datetime(data.last.year, data.last.month, data.last.day)))  # fmt: skip
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+    ax.set_xlabel(utc)
+    ax.legend(handles=[Patch(color=OI["vermillion"], label="gateway out (all its devices silent)"),
+                       Patch(color=OI["orange"], alpha=0.45, label=f"a device silent > {data.silence / 60:.0f} min")],
+              fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2)  # fmt: skip
+    quiet = len({d["gateway_id"] for d in data.devices}) - len(rows)
+    ax.set_title(f"Silences per gateway, most silent first ({len(rows)} with silences, {quiet} without)", fontsize=10,
+                 loc="left")
+    out["timeline"] = _png(fig)
+
+    # 2. completeness per gateway (closed periods), the lowest first
     gws = sorted((g for g in data.gateways if g.get("expected")), key=lambda g: (_completeness_pct(g), g["gateway_id"]))
     shown = gws[:MAX_ROWS]
-    fig = Figure(figsize=(8, 1.0 + 0.3 * max(1, len(shown))))
+    fig = Figure(figsize=(10, 1.2 + 0.28 * max(1, len(shown))), layout="constrained")
     ax = fig.subplots()
     pct = [_completeness_pct(g) for g in shown]
-    colors = ["#2a9d8f" if p >= 99.9 else "#e9c46a" if p >= 99 else "#e76f51" for p in pct]
+    colors = [OI["blue"] if p >= 99.9 else OI["orange"] if p >= 99 else OI["vermillion"] for p in pct]
     ax.barh([g["gateway_id"] for g in shown], pct, color=colors)
     low = min(pct, default=100.0)
     left = 0.0 if low < 50 else max(0.0, low - (100 - low) * 0.5 - 0.5)
     for i, (p, g) in enumerate(zip(pct, shown)):
-        ax.text(
-            left + (100 - left) * 0.01,
-            i,
-            f"{p:.2f}%   {g['missing']} missing, {g.get('reboots') or 0} reboots",
-            va="center",
-            fontsize=7,
-            color="white" if p - left > (100 - left) * 0.5 else "black",
-        )
+        ax.text(left + (100 - left) * 0.01, i, f"{p:.2f}%   {g['missing']} missing, {g.get('reboots') or 0} reboots",
+                va="center", fontsize=7, color="white" if p - left > (100 - left) * 0.5 else "black")  # fmt: skip
     ax.set_xlim(left, 100)
     ax.invert_yaxis()
-    ax.set_xlabel("readings received / expected from seq, closed periods (%)")
+    ax.set_xlabel("readings received / expected from seq, closed hours (%)")
     worst = f" (the {len(shown)} lowest of {len(gws)})" if len(gws) > len(shown) else ""
-    ax.set_title(f"Completeness per gateway{worst}")
+    ax.set_title(f"Completeness per gateway{worst}", fontsize=10)
     out["completeness"] = _png(fig)
 
-    # per gateway and hour, as a heat map (the worst gateways, same order as above)
-    hours = sorted({h["period_start"] for h in data.hourly})
-    names = [g["gateway_id"] for g in shown]
-    grid = [[float("nan")] * len(hours) for _ in names]
-    col = {h: i for i, h in enumerate(hours)}
-    row = {n: i for i, n in enumerate(names)}
-    for h in data.hourly:
-        if h["gateway_id"] in row:
-            grid[row[h["gateway_id"]]][col[h["period_start"]]] = 100.0 * h["completeness"]
-    fig = Figure(figsize=(8, 1.2 + 0.25 * max(1, len(names))))
-    ax = fig.subplots()
-    if hours and names:
-        values = [v for r in grid for v in r if v == v]
-        vmin = min(min(values, default=100.0), 99.0)
-        image = ax.imshow(grid, aspect="auto", cmap="RdYlGn", vmin=vmin, vmax=100.0, interpolation="nearest")
-        ax.set_yticks(range(len(names)), names, fontsize=7)
-        step = max(1, len(hours) // 12)
-        ax.set_xticks(
-            range(0, len(hours), step),
-            [hours[i].strftime("%m-%d %H:00") for i in range(0, len(hours), step)],
-            rotation=30,
-            ha="right",
-            fontsize=7,
-        )
-        fig.colorbar(image, ax=ax, label="%", fraction=0.04)
-    ax.set_title("Completeness per hour (closed hours)")
-    out["completeness_hourly"] = _png(fig)
-
-    # latency: p50 and p99 per stage, the gateways with the slowest p99 gateway -> landing first
-    by = {(r["gateway_id"], r["stage"]): r for r in data.latency}
-    lat_gws = sorted(
-        {r["gateway_id"] for r in data.latency}, key=lambda g: -(by.get((g, "gateway_to_landing")) or {"p99": 0})["p99"]
-    )[:MAX_ROWS]
-    fig = Figure(figsize=(9, 1.4 + 0.3 * max(1, len(lat_gws))))
-    axes = fig.subplots(1, 3, sharey=True)
-    ys = list(range(len(lat_gws)))
+    # 3. latency per stage and hour, fleet-wide: p50, p99 and max; gateway outages shaded, not averaged in
+    fig = Figure(figsize=(10, 6.5), layout="constrained")
+    axes = fig.subplots(3, 1, sharex=True)
+    spans = [iv for ivs in outages.values() for iv in ivs]
     for ax, stage in zip(axes, STAGE_LABELS):
-        p50 = [by[(g, stage)]["p50"] if (g, stage) in by else float("nan") for g in lat_gws]
-        p99 = [by[(g, stage)]["p99"] if (g, stage) in by else float("nan") for g in lat_gws]
-        ax.barh([y - 0.2 for y in ys], p50, height=0.4, color="#264653", label="p50")
-        ax.barh([y + 0.2 for y in ys], p99, height=0.4, color="#e76f51", label="p99")
-        ax.set_yticks(ys, lat_gws, fontsize=7)
-        ax.set_title(STAGE_LABELS[stage], fontsize=9)
-        ax.set_xlabel("seconds")
-        positive = [v for v in p50 + p99 if v == v and v > 0]
-        if positive and max(positive) / max(min(positive), 1e-9) > 100:
-            ax.set_xscale("log")
-    axes[0].invert_yaxis()
-    axes[-1].legend(fontsize=7)
-    n_lat = len({r["gateway_id"] for r in data.latency})
-    fig.suptitle("Latency per gateway" + (f" (the {len(lat_gws)} slowest of {n_lat})" if n_lat > len(lat_gws) else ""))
+        rows_s = [r for r in data.latency_hourly if r["stage"] == stage]
+        xs = [r["date"] for r in rows_s]
+        lines = (("p50", OI["blue"], "-"), ("p99", OI["orange"], "-"), ("max", OI["vermillion"], "--"))
+        for key, color, style in lines:
+            ax.plot(xs, [max(r[key], 1e-3) for r in rows_s], style, color=color, label=key, linewidth=1.2,
+                    marker="." if len(xs) < 30 else None)  # fmt: skip
+        for a, b in spans:
+            ax.axvspan(a, b, color=OI["grey"], alpha=0.25, linewidth=0)
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds (log)")
+        ax.set_title(f"{STAGE_LABELS[stage]}: per hour of event time, all gateways", fontsize=9, loc="left")
+        ax.grid(True, which="major", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    handles.append(Patch(color=OI["grey"], alpha=0.25))
+    labels.append("a gateway out")
+    axes[0].legend(handles, labels, fontsize=7, ncol=4, loc="upper right")
+    axes[-1].xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+    axes[-1].set_xlabel(utc)
     out["latency"] = _png(fig)
 
-    fig = Figure(figsize=(8, 3))
+    # 4. one device's readings: 1-minute mean and min..max, broken where no window exists (gaps stay gaps)
+    fig = Figure(figsize=(10, 3.2), layout="constrained")
     ax = fig.subplots()
     if data.series:
-        xs = [p["window_start"] for p in data.series]
-        ax.fill_between(
-            xs,
-            [p["min"] for p in data.series],
-            [p["max"] for p in data.series],
-            color="#a8dadc",
-            label="min..max per minute",
-        )
-        ax.plot(xs, [p["mean"] for p in data.series], color="#1d3557", linewidth=1, label="mean per minute")
-        ax.set_ylabel(data.series[0]["unit"])
+        xs, lo, hi, mean = [], [], [], []
+        starts = [p["window_start"] for p in data.series]
+        steps = sorted((b - a).total_seconds() for a, b in itertools.pairwise(starts))
+        gap = max(120.0, 2.5 * steps[len(steps) // 2]) if steps else 120.0  # 2.5 x the usual step: a gap
+        prev = None
+        for p in data.series:
+            if prev is not None and (p["window_start"] - prev).total_seconds() > gap:
+                xs.append(prev + dt.timedelta(seconds=60))
+                lo.append(float("nan"))
+                hi.append(float("nan"))
+                mean.append(float("nan"))
+            xs.append(p["window_start"])
+            lo.append(p["min"])
+            hi.append(p["max"])
+            mean.append(p["mean"])
+            prev = p["window_start"]
+        ax.fill_between(xs, lo, hi, color=OI["sky"], alpha=0.5, linewidth=0, label="min..max per minute")
+        ax.plot(xs, mean, color=OI["blue"], linewidth=1, label="mean per minute")
+        ax.set_ylabel(f"{data.series_name.rsplit('/', 1)[-1] if data.series_name else ''} ({data.series[0]['unit']})")
         ax.legend(fontsize=7)
-    ax.set_title(f"Readings: {data.series_name or 'no data'}")
-    fig.autofmt_xdate()
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+    ax.set_xlabel(utc)
+    ax.set_title(f"Readings of {data.series_name or 'no data'} (gaps left blank)", fontsize=10)
     out["series"] = _png(fig)
     return out
 
@@ -260,6 +373,15 @@ def _fmt(value: Any) -> str:
     if isinstance(value, dt.datetime):
         return value.strftime("%Y-%m-%d %H:%M")
     return str(value)
+
+
+def _ago(now: dt.datetime | None, then: dt.datetime) -> str:
+    """``now - then`` as ``3d 04:05`` (days, hours:minutes)."""
+    if now is None:
+        return "-"
+    minutes = int((now - then).total_seconds() // 60)
+    days, rest = divmod(minutes, 1440)
+    return (f"{days}d " if days else "") + f"{rest // 60:02d}:{rest % 60:02d}"
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -294,6 +416,40 @@ def render(data: ReportData, generated: dt.datetime | None = None) -> str:
         for g in data.gateways
     ]
     gen = f" Generated {generated.strftime('%Y-%m-%d %H:%M UTC')}." if generated else ""
+    silences = device_silences(data)
+    outages = gateway_outages(silences)
+    missing = [d for d in data.devices if data.now is not None
+               and (data.now - d["last"]).total_seconds() > data.silence]  # fmt: skip
+    missing.sort(key=lambda d: (d["last"], d["gateway_id"], d["device"]))
+    devices_of: dict[str, int] = {}
+    for d in data.devices:
+        devices_of[d["gateway_id"]] = devices_of.get(d["gateway_id"], 0) + 1
+    gw_missing: dict[str, list[dict[str, Any]]] = {}
+    for d in missing:
+        gw_missing.setdefault(d["gateway_id"], []).append(d)
+    missing_gw_rows = []
+    for gw, ds in gw_missing.items():
+        since = min(x["last"] for x in ds)
+        out = "yes" if len(ds) == devices_of[gw] else "no"
+        missing_gw_rows.append([gw, f"{len(ds)} of {devices_of[gw]}", since, _ago(data.now, since), out])
+    missing_gw_rows.sort(key=lambda r: (r[2], r[0]))
+    device_rows = [[d["gateway_id"], d["device"], d["last"], _ago(data.now, d["last"]), d["readings"]]
+                   for d in missing[:200]]  # fmt: skip
+    missing_html = (
+        _table(["gateway", "devices missing", "since (UTC)", "for", "whole gateway out"], missing_gw_rows)
+        + _table(["gateway", "device", "last reading (UTC)", "silent for", "readings in range"], device_rows)
+        if missing
+        else "<p><b>Nothing missing now:</b> every device sent a reading in the last "
+        f"{data.silence / 60:.0f} minutes.</p>"
+    )
+    by = {(r["gateway_id"], r["stage"]): r for r in data.latency}
+    slow = sorted({r["gateway_id"] for r in data.latency},
+                  key=lambda g: -(by.get((g, "gateway_to_landing")) or {"max": 0})["max"])[:MAX_ROWS]  # fmt: skip
+    latency_html = _table(
+        ["gateway", *[f"{STAGE_LABELS[s]} {k} s" for s in STAGE_LABELS for k in ("p50", "p99", "max")], "outages"],
+        [[g, *[(by.get((g, s)) or {}).get(k) for s in STAGE_LABELS for k in ("p50", "p99", "max")],
+          len(outages.get(g, []))] for g in slow],
+    )  # fmt: skip
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Fleet health {data.first} .. {data.last}</title>
 <style>
@@ -310,11 +466,17 @@ img {{ max-width: 100%; }}
 <div class="kpi"><b>{total_readings}</b>readings</div>
 <div class="kpi"><b>{overall}</b>complete</div>
 <div class="kpi"><b>{sum(q["count"] for q in data.quarantine)}</b>quarantined</div>
+<h2>Missing data now</h2>
+<p>"Now" is the newest reading in the range, {_fmt(data.now)} UTC; a device is missing when it has sent nothing for
+more than {data.silence / 60:.0f} minutes.</p>
+{missing_html}
+<h2>Outages</h2>
+{img("timeline", "silences per gateway")}
 <h2>Completeness</h2>
 {img("completeness", "completeness per gateway")}
-{img("completeness_hourly", "completeness per hour")}
 <h2>Latency</h2>
-{img("latency", "latency percentiles per gateway")}
+{img("latency", "latency per stage and hour")}
+{latency_html}
 <h2>Readings</h2>
 {img("series", "reading series")}
 <h2>Gateways</h2>

@@ -354,22 +354,23 @@ def test_streaming_mode_dedups_within_watermark_and_drops_late_data(
 
 
 def test_report_is_html_with_embedded_plots(spark: Any, built: tuple[Path, dict[str, int]], tmp_path: Path) -> None:
-    """The fleet health report: one HTML file with four PNG plots (completeness per gateway and per hour, latency
-    per gateway, a reading series) and the closed-period completeness 13/17 readings."""
+    """The fleet health report: one HTML file with four PNG plots (silences per gateway, completeness per gateway,
+    latency per stage and hour, a reading series) and the closed-period completeness 13/17 readings; nothing is
+    missing at the newest reading (gw-b's 13:01:05: gw-a's last, 12:03:11, is an hour older: it is missing)."""
     from pipeline.report import write_report
 
     out = tmp_path / "report.html"
     write_report(spark, str(built[0] / "tables"), DAY, DAY, str(out), generated=ts("2024-05-02T00:00:00"))
     text = out.read_text()
     images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">', text)
-    assert [alt for alt, _ in images] == ["completeness per gateway", "completeness per hour",
-                                          "latency percentiles per gateway", "reading series"]  # fmt: skip
+    assert [alt for alt, _ in images] == ["silences per gateway", "completeness per gateway",
+                                          "latency per stage and hour", "reading series"]  # fmt: skip
     for _, data in images:
         assert base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<b>76.47%</b>complete" in text
     assert "<b>10</b>quarantined" in text
     assert "Generated 2024-05-02 00:00 UTC." in text
-    assert f"1-minute windows: gw-a/buoy-1/{SST}" not in text  # the title is drawn into the PNG, not the HTML
+    assert "<td>gw-a</td><td>buoy-1</td><td>2024-05-01 12:03</td><td>00:57</td><td>9</td>" in text
     assert "<td>gw-a</td><td>1</td><td>9</td><td>3</td><td>69.23%</td><td>4</td><td>1</td><td>1</td>" in text
 
 
