@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from bystanders import QoS1Pair
-from helpers import RawClient
+from helpers import RawClient, wait_until
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
@@ -291,7 +291,9 @@ def test_full_disk_refuses_qos1_and_qos2_at_once_serves_qos0_keeps_acknowledged_
         assert acked, "nothing was acknowledged before the disk was full"
         print(f"{len(acked)} messages acknowledged before the disk was full")
         # The writer saw the disk full (ENOSPC, or LMDB's EIO for a write cut short on a full disk).
-        assert [line for line in ns.lines if "CRITICAL gateway.store: store full (" in line], ns.log()
+        # The broker's stderr is read by a thread: under load the line may be logged but not read yet.
+        wait_until(lambda: [line for line in ns.lines if "CRITICAL gateway.store: store full (" in line], 10,
+                   ns.log)
         refused = 1
         # While full: QoS 1 and QoS 2 refused at once.
         for pid in (1000, 1001):
@@ -364,7 +366,7 @@ def test_full_disk_refuses_qos1_and_qos2_at_once_serves_qos0_keeps_acknowledged_
                 break
             assert reason == 0x97 and time.monotonic() < deadline, (reason, ns.log())
             time.sleep(0.25)
-        assert [line for line in ns.lines if "store: writes succeed again" in line], ns.log()
+        wait_until(lambda: [line for line in ns.lines if "store: writes succeed again" in line], 10, ns.log)
         pair = QoS1Pair(port, "disk-pair", count=200, interval=0.002).start()
         pair.finish()
     finally:
