@@ -3,6 +3,7 @@
     landing (JSON lines, by arrival date)
       -> clean       every valid copy, by event date; malformed lines -> quarantine (by arrival date) with a reason
       -> readings    dedup on (gateway_id, device, boot, seq), the earliest arrival kept, copies counted
+      -> seq_runs    per device, boot and day, the runs of consecutive seq: what rebuilds of other days read
       -> windows     per device and quantity, 1-minute event-time windows: count, min, max, mean
       -> completeness  per device, boot and hour: expected vs received from seq, missing ranges, reboots
       -> latency     per gateway and day: percentiles of sensor -> gateway -> landing
