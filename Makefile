@@ -70,8 +70,9 @@ soak: venv deps
 	$(BIN)/python bench/soak.py $(SOAK_ARGS)
 
 # Fuzzing (issue 15; not part of `make test`, which runs a short hypothesis version: tests/test_fuzz.py): the broker's
-# packet handling in process under atheris (libFuzzer), FUZZ_RUNS inputs (1,000,000: about 40 min on one core of the
-# 2-core development machine); stops at the first input that breaks an invariant and saves it under var/fuzz/.
+# packet handling in process under atheris (libFuzzer), FUZZ_RUNS inputs (1,000,000: about 170 a second per process
+# on the loaded 2-core development machine, docs/reliability.md "Fuzzing"); stops at the first input that breaks
+# an invariant and saves it under var/fuzz/.
 # FUZZ_ARGS adds libFuzzer flags (`-seed=N`, `-max_total_time=S`); run two with FUZZ_RUNS=500000 to use two cores.
 FUZZ_RUNS ?= 1000000
 fuzz: venv
