@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.session import CLOSED, CONNECTED
@@ -157,27 +159,20 @@ def test_seed001_qos0_bypasses_a_full_inflight_window() -> None:
     assert [(p.payload, p.qos) for p in sub.publishes()] == [(b"q0", 0)]  # out at once, past the queue
 
 
-def test_seed000_receive_maximum_caps_the_inflight_window() -> None:
+@pytest.mark.parametrize(("max_inflight", "receive_maximum", "window"), [(32, 3, 3), (4, 100, 4)])
+def test_seed000_inflight_window_is_max_inflight_capped_by_receive_maximum(
+    max_inflight: int, receive_maximum: int, window: int
+) -> None:
+    """Seed 000: a 5.0 client's Receive Maximum caps ``max_inflight``, and ``max_inflight`` caps a larger one."""
     broker = make_broker()
-    sub = Client(broker, 5, ZoneLimits(max_inflight=32))
-    sub.connect("sub", properties={P.RECEIVE_MAXIMUM: 3})
+    sub = Client(broker, 5, ZoneLimits(max_inflight=max_inflight))
+    sub.connect("sub", properties={P.RECEIVE_MAXIMUM: receive_maximum})
     sub.subscribe("t", 1)
     pub = Client(broker, 5)
     pub.connect("pub")
     publish_many(pub, [b"%d" % i for i in range(10)])
-    assert len(sub.publishes()) == 3
-    assert broker.sessions["sub"].conn.window == 3  # type: ignore[union-attr]
-
-
-def test_seed000_max_inflight_caps_a_larger_receive_maximum() -> None:
-    broker = make_broker()
-    sub = Client(broker, 5, ZoneLimits(max_inflight=4))
-    sub.connect("sub", properties={P.RECEIVE_MAXIMUM: 100})
-    sub.subscribe("t", 1)
-    pub = Client(broker, 5)
-    pub.connect("pub")
-    publish_many(pub, [b"%d" % i for i in range(10)])
-    assert len(sub.publishes()) == 4
+    assert len(sub.publishes()) == window
+    assert broker.sessions["sub"].conn.window == window  # type: ignore[union-attr]
 
 
 def test_mqtt_4_4_0_1_unacknowledged_publish_resent_with_dup_on_reconnect() -> None:
