@@ -198,6 +198,41 @@ def test_mqtt_4_4_0_1_unacknowledged_publish_resent_with_dup_on_reconnect() -> N
     assert [(p.payload, p.dup) for p in again.publishes()] == [(b"c", False)]
 
 
+def test_mqtt_3_3_4_9_resume_with_smaller_receive_maximum_resends_one_at_a_time_keeping_identifiers() -> None:
+    """A 3.1.1 session with three QoS 2 messages in flight (the first PUBRECed) resumed by 5.0 with Receive
+    Maximum 1: PUBREL for the first, then each PUBLISH with DUP=1 and its old Packet Identifier only after the one
+    before completes [MQTT-3.3.4-9]; a PUBACK-free slot then takes the queue's next message (seed 000)."""
+    broker = make_broker()
+    limits = ZoneLimits(max_inflight=3)
+    sub = Client(broker, 4, limits)
+    sub.connect("sub", clean_start=False)
+    sub.subscribe("t", 2)
+    pub = Client(broker, 4)
+    pub.connect("pub")
+    for i, payload in enumerate([b"a", b"b", b"c", b"d"]):
+        pub.send(Publish("t", payload, qos=2, packet_id=i + 1))
+        pub.send(PubRel(i + 1))
+    sent = sub.publishes()
+    assert [p.payload for p in sent] == [b"a", b"b", b"c"]
+    sub.send(PubRec(sent[0].packet_id))
+    assert [type(p) for p in sub.read()] == [PubRel]
+    broker.connection_lost(sub.conn, 1.0)
+    back = Client(broker, 5, limits, now=2.0)
+    back.connect("sub", 2.0, clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 60, P.RECEIVE_MAXIMUM: 1})
+    assert [(type(p), p.packet_id) for p in back.read()] == [(PubRel, sent[0].packet_id)]
+    done = sent[0].packet_id
+    for old in sent[1:]:
+        back.send(PubComp(done), 2.0)
+        (again,) = back.read()
+        assert (again.payload, again.dup, again.packet_id) == (old.payload, True, old.packet_id)
+        back.send(PubRec(old.packet_id), 2.0)
+        assert [type(p) for p in back.read()] == [PubRel]
+        done = old.packet_id
+    back.send(PubComp(done), 2.0)
+    (last,) = back.read()
+    assert (last.payload, last.dup, last.qos) == (b"d", False, 2)
+
+
 # --------------------------------------------------------------------------- Message Queue (seeds 000, 002)
 
 

@@ -67,9 +67,7 @@ def test_mqtt_3_1_0_2_second_connect_with_any_level_is_a_protocol_error(level: i
     assert client.conn.state == CLOSED and other.conn.state == CONNECTED
 
 
-@pytest.mark.xfail(strict=True, reason="found by the fuzzer, not fixed yet: resend() re-sends the whole Inflight "
-                   "Window on reconnect, past a smaller Receive Maximum")
-def test_resumed_session_resends_no_more_than_receive_maximum() -> None:
+def test_mqtt_3_3_4_9_resumed_session_resends_no_more_than_receive_maximum() -> None:
     """[MQTT-3.3.4-9]: the Server must not send more QoS 1/2 PUBLISH packets than the client's Receive Maximum
     unacknowledged. A 3.1.1 persistent session with two messages in flight, resumed by 5.0 with Receive Maximum 1,
     must get one of them now and the other once it acknowledged the first."""

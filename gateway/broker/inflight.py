@@ -77,10 +77,14 @@ def _send_held_qos0(core: BrokerState, session: Session, conn: Connection, deliv
 
 
 def pump(core: BrokerState, session: Session, now: float) -> None:
-    """Move queued messages into the Inflight Window while it has room, FIFO (seed 000)."""
+    """Move queued messages into the Inflight Window while it has room, FIFO (seed 000). Deliveries of the
+    window not yet re-sent on this connection (:attr:`Session.unsent`) go first, so that no more than the
+    window's length is ever unacknowledged on the connection [MQTT-3.3.4-9]."""
     conn = session.conn
     if conn is None:
         return
+    if session.unsent:
+        _resend_unsent(core, session, conn, now)
     mqueue = session.mqueue
     inflight = session.inflight
     window = conn.window
@@ -121,19 +125,51 @@ def finish(core: BrokerState, session: Session, delivery: Delivery) -> None:
 
 
 def resend(core: BrokerState, session: Session, conn: Connection, now: float, older_than: float = 0.0) -> None:
-    """Re-send, in order, what the window holds (sent at least ``older_than`` seconds ago): PUBLISH with DUP=1,
-    or PUBREL for a QoS 2 message whose PUBREC arrived. On reconnect [MQTT-4.4.0-1], and for 3.1.1 after
-    ``retry_interval``. A PUBLISH over the client's Maximum Packet Size leaves the window."""
+    """Re-send, in order, what the window holds: PUBLISH with DUP=1, or PUBREL for a QoS 2 message whose PUBREC
+    arrived. A PUBLISH over the client's Maximum Packet Size leaves the window.
+
+    On reconnect (``older_than`` 0) [MQTT-4.4.0-1]: at most ``conn.window`` deliveries, oldest first; when the
+    resumed client's Receive Maximum is smaller than what is in flight, the rest wait in :attr:`Session.unsent`
+    and go out, with their Packet Identifiers, as acknowledgements free slots (:func:`pump`) [MQTT-3.3.4-9].
+    For 3.1.1 after ``retry_interval`` seconds: what was sent at least ``older_than`` seconds ago."""
+    if not older_than:
+        session.unsent.clear()
+        window = conn.window
+        for delivery in list(session.inflight.values()):
+            if window > 0:
+                window -= 1
+                _resend_one(core, session, conn, delivery, now)
+            else:
+                session.unsent.append(delivery)
+        return
+    held = {id(d) for d in session.unsent}
     for delivery in list(session.inflight.values()):
-        if older_than and now - delivery.sent_at < older_than:
+        if now - delivery.sent_at < older_than or id(delivery) in held:
             continue
-        delivery.sent_at = now
-        if delivery.state == AWAIT_COMP:
-            send(core, conn, PubRel(delivery.packet_id))
-        elif not write_publish(
-            core, conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id, True, delivery.sub_ids, now
-        ):
-            finish(core, session, delivery)
+        _resend_one(core, session, conn, delivery, now)
+
+
+def _resend_one(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    delivery.sent_at = now
+    if delivery.state == AWAIT_COMP:
+        send(core, conn, PubRel(delivery.packet_id))
+    elif not write_publish(
+        core, conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id, True, delivery.sub_ids, now
+    ):
+        finish(core, session, delivery)
+
+
+def _resend_unsent(core: BrokerState, session: Session, conn: Connection, now: float) -> None:
+    """Re-send waiting deliveries of the window while fewer than ``conn.window`` are unacknowledged on ``conn``.
+    One the client acknowledged meanwhile (it had it from the previous connection) is passed over."""
+    inflight = session.inflight
+    unsent = session.unsent
+    live = [d for d in unsent if inflight.get(d.packet_id) is d]
+    if len(live) != len(unsent):
+        unsent.clear()
+        unsent.extend(live)
+    while unsent and len(inflight) - len(unsent) < conn.window:
+        _resend_one(core, session, conn, unsent.popleft(), now)
 
 
 # ------------------------------------------------------------------------------------------ acknowledgements

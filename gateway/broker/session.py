@@ -8,6 +8,7 @@ subscriptions (seeds 000-004).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from gateway.broker.limits import ZoneLimits
@@ -43,6 +44,9 @@ class Session:
         username: the verified user name of the client that owns the session (``None``: anonymous); another
             user may not take the session over (issue 15). Kept in the store.
         listener: the name of the listener its client last connected on (whose ``acl_file`` applies).
+        unsent: deliveries of the Inflight Window not yet re-sent on the current connection, oldest first: a
+            session resumed with a Receive Maximum smaller than what it has in flight gets the rest as slots free
+            [MQTT-3.3.4-9].
         acl: its ACL rules (``gateway.broker.access.ClientRules``), ``None`` without an ``acl_file``.
         partial: keys of its subscriptions decided PARTIAL (checked per message, :mod:`gateway.broker.access`).
     """
@@ -63,6 +67,7 @@ class Session:
         "partial",
         "protocol_level",
         "subscriptions",
+        "unsent",
         "username",
         "will",
         "will_at",
@@ -78,6 +83,7 @@ class Session:
         self.awaiting_rel: dict[int, tuple[Message, float]] = {}
         self.next_packet_id = 1
         self.held_sends = 0  # PUBLISHes waiting for a commit before they go out (QoS 2, and FIFO behind it)
+        self.unsent: deque[Delivery] = deque()  # in the window, not yet re-sent on this connection (Receive Maximum)
         self.conn: Connection | None = None
         self.expires_at: float | None = None
         self.will: Will | None = None
