@@ -35,11 +35,12 @@ import select
 import struct
 import threading
 import time
-import tty
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from firmware_bridge.ptys import open_raw_pty, point_link
 
 log = logging.getLogger("firmware_bridge.modbus_sim")
 
@@ -191,10 +192,7 @@ class Frame:
 
 class _Pty:
     def __init__(self) -> None:
-        self.master, self.slave = os.openpty()
-        tty.setraw(self.slave)
-        os.set_blocking(self.master, False)
-        self.path = os.ttyname(self.slave)
+        self.master, self.slave, self.path = open_raw_pty()
 
     def close(self) -> None:
         for fd in (self.master, self.slave):
@@ -241,11 +239,7 @@ class ModbusLine:
         self._bridge, self._server = _Pty(), _Pty()
         self.path = self._bridge.path
         if self.link is not None:
-            tmp = self.link.with_name(self.link.name + ".new")
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            tmp.symlink_to(self.path)
-            os.replace(tmp, self.link)
+            point_link(self.link, self.path)
         for target, name in ((self._serve, "modbus-server"), (self._relay, "modbus-relay")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()

@@ -23,7 +23,6 @@ import os
 import select
 import threading
 import time
-import tty
 from pathlib import Path
 
 from firmware_bridge.frames import (
@@ -33,6 +32,7 @@ from firmware_bridge.frames import (
     reading_frame,
     reply_frame,
 )
+from firmware_bridge.ptys import open_raw_pty, point_link
 
 log = logging.getLogger("firmware_bridge.simulator")
 SERIES_FILE = "sea_surface_temperature.csv.gz"
@@ -120,18 +120,10 @@ class SensorBoard:
         """Open a new pty (raw mode, like a UART) and point ``link`` at it; returns the slave's path."""
         if self._master is not None:
             return self.path or ""
-        master, slave = os.openpty()
-        tty.setraw(slave)
-        os.set_blocking(master, False)
-        self._master, self._slave = master, slave
-        self.path = os.ttyname(slave)
+        self._master, self._slave, self.path = open_raw_pty()
         self._decoder = FrameDecoder()
         if self.link is not None:
-            tmp = self.link.with_name(self.link.name + ".new")
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            tmp.symlink_to(self.path)
-            os.replace(tmp, self.link)
+            point_link(self.link, self.path)
         self._wake_r, self._wake_w = os.pipe()
         self._reader = threading.Thread(target=self._read_loop, name=f"board-{self.device}", daemon=True)
         self._reader.start()
