@@ -55,6 +55,9 @@ Config file (TOML), e.g. /etc/edge-gateway/gateway.toml:
   [listeners.internal]
   bind = "127.0.0.1:1884"         # internal zone defaults: max_inflight 128, max_mqueue_len 10000
 
+  [metrics]                       # Prometheus /metrics (off when absent); loopback unless scraped remotely
+  bind = "127.0.0.1:9883"
+
 Signals: SIGTERM/SIGINT stop accepting, send DISCONNECT 0x8B to MQTT 5 clients and exit 0.
 Exit codes: 0 clean stop, 1 a listener could not bind, 78 the configuration is invalid.
 """
@@ -132,6 +135,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     for up in config.upstreams:
         print(f"upstream {up.name}: {up.url} as {up.client_id!r}, {len(up.forward)} forward and {len(up.subscribe)} "
               f"subscribe rule(s), order {up.order}")
+    if config.metrics_bind is not None:
+        print(f"metrics: Prometheus /metrics on {config.metrics_bind}")
     print(f"{config.source}: OK")
     return 0
 

@@ -125,7 +125,7 @@ class Broker(BrokerState):
         if data and data[0] == 0x40 and conn.state == CONNECTED:
             pids, used = conn.reader.leading_pubacks(data)
             if pids:
-                self.stats.messages_received += len(pids)
+                self.stats.received[4] += len(pids)
                 if len(pids) > ACK_RUN_PART:
                     conn.pending = True
                     conn.pending_acks = pids[ACK_RUN_PART:]
@@ -140,7 +140,7 @@ class Broker(BrokerState):
         packets = conn.reader.feed(data)
         try:
             for packet in packets:
-                self.stats.messages_received += 1
+                self.stats.received[packet.TYPE] += 1
                 if conn.state == CONNECTED:
                     handler = self._handlers.get(packet.TYPE)
                     if handler is None:
@@ -345,6 +345,7 @@ class Broker(BrokerState):
             self._protocol_error(conn, ProtocolError("a second CONNECT on the same connection [MQTT-3.1.0-2]"), now)
             return
         self.rlog.warning(now, peer_host(conn.peer), "unsupported_version", "%s: %s", conn.peer, exc)
+        self.stats.connect_refused["unsupported_protocol_version"] += 1
         answer = unsupported_version_connack(exc.level)
         if answer is not None:
             send_raw(self, conn, answer[1].encode(answer[0]))

@@ -30,6 +30,7 @@ log = logging.getLogger("gateway.broker")
 
 def refuse(core: BrokerState, conn: Connection, reason: RC, message: str, now: float) -> None:
     """Refuse the CONNECT: CONNACK with ``reason`` (or its 3.1.1 return code; none: just close), then close."""
+    core.stats.connect_refused[reason.name.lower()] += 1
     core.rlog.warning(
         now,
         peer_host(conn.peer),

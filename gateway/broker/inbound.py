@@ -73,7 +73,9 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
     qos = p.qos
     pid = p.packet_id
-    core.stats.publish_received += 1
+    stats = core.stats
+    stats.publish_received += 1
+    stats.received_qos[qos] += 1
 
     if qos == 2 and pid in session.awaiting_rel:
         duplicate(core, conn, pid)  # type: ignore[arg-type]
@@ -244,5 +246,5 @@ def _puback(core: BrokerState, conn: Connection, pid: int, reason: int) -> None:
         send(core, conn, PubAck(pid, reason))
         return
     conn.out.append(bytes((0x40, 2, pid >> 8, pid & 0xFF)))
-    core.stats.messages_sent += 1
+    core.stats.sent[4] += 1
     core.dirty.add(conn)

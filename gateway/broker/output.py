@@ -29,7 +29,7 @@ def send(core: BrokerState, conn: Connection, packet: Any) -> None:
             core.stats.dropped["packet_too_large"] += 1
             return
     conn.out.append(data)
-    core.stats.messages_sent += 1
+    core.stats.sent[packet.TYPE] += 1
     core.dirty.add(conn)
 
 
@@ -101,8 +101,6 @@ def write_publish(
     else:
         out.append(head)
     out.append(tail)
-    stats = core.stats
-    stats.publish_sent += 1
-    stats.messages_sent += 1
+    core.stats.sent_qos[qos] += 1
     core.dirty.add(conn)
     return True

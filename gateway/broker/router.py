@@ -27,6 +27,8 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
         retain(core, message)
     subs, groups = core.tree.match(message.topic)
     if not subs and not groups:
+        if not count and not message.retain and message.sender is not None:
+            core.stats.dropped["no_subscribers"] += 1  # EMQX's messages.dropped.no_subscribers
         return count
     if core.read_checks:  # an acl_file exists: subscriptions decided PARTIAL check read (gateway/broker/access.py)
         subs = [r for r in subs if may_read(core.sessions[r.client_id], r.key, message.topic)]

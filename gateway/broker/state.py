@@ -20,26 +20,35 @@ log = logging.getLogger("gateway.broker")
 
 
 class Stats:
-    """Broker counters (``$SYS/broker/...``): messages in/out, drops by reason, connections."""
+    """Broker counters (``$SYS/broker/...`` and the Prometheus collector, gateway/server/metrics.py): control
+    packets in/out by packet type, PUBLISH in/out by QoS, drops by reason, connections. Each is one attribute or
+    list-item increment in code that already runs; sums are taken when read."""
 
     __slots__ = (
         "bytes_received",
         "clients_connected",
         "clients_maximum",
+        "connect_refused",
         "connections_total",
         "dropped",
-        "messages_received",
-        "messages_sent",
         "publish_received",
-        "publish_sent",
+        "received",
+        "received_qos",
         "refused",
+        "sent",
+        "sent_qos",
     )
 
     def __init__(self) -> None:
-        self.messages_received = 0
-        self.messages_sent = 0
+        #: Control packets received, by packet type (index 1..15, MQTT 5.0 §2.1.2), PUBLISH included.
+        self.received = [0] * 16
+        #: Control packets sent but PUBLISH, by packet type (PUBLISH is in ``sent_qos``).
+        self.sent = [0] * 16
         self.publish_received = 0
-        self.publish_sent = 0
+        #: PUBLISH packets accepted for handling, by QoS 0..2 (``publish_received`` is their sum).
+        self.received_qos = [0, 0, 0]
+        #: PUBLISH packets sent, by QoS 0..2.
+        self.sent_qos = [0, 0, 0]
         self.bytes_received = 0
         self.clients_connected = 0
         self.clients_maximum = 0
@@ -48,6 +57,24 @@ class Stats:
         #: Requests refused by a limit, by limit name (``$SYS/broker/refused/<name>``): CONNECTs past
         #: ``max_sessions``, Topic Filters past ``max_subscriptions``, connections closed by ``send_timeout``.
         self.refused: Counter[str] = Counter()
+        #: CONNECTs refused, by the CONNACK Reason Code's name in lower case (``not_authorized``,
+        #: ``quota_exceeded``, ``unsupported_protocol_version``, ...; 3.1.1 refusals by the 5.0 name).
+        self.connect_refused: Counter[str] = Counter()
+
+    @property
+    def messages_received(self) -> int:
+        """Control packets received (all types)."""
+        return sum(self.received)
+
+    @property
+    def messages_sent(self) -> int:
+        """Control packets sent (all types, PUBLISH included)."""
+        return sum(self.sent) + sum(self.sent_qos)
+
+    @property
+    def publish_sent(self) -> int:
+        """PUBLISH packets sent."""
+        return sum(self.sent_qos)
 
 
 class BrokerState:

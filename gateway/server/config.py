@@ -22,6 +22,9 @@ Layout (DESIGN.md §6)::
     cafile = "/etc/edge-gateway/tls/ca.crt"
     require_certificate = true
 
+    [metrics]                   # Prometheus /metrics (gateway/server/metrics.py); off when absent
+    bind = "127.0.0.1:9883"
+
 Durations, sizes and addresses are read by :mod:`gateway.values` (sizes in powers of 1024: "1MB" = 1 MiB).
 """
 
@@ -98,6 +101,7 @@ class GatewayConfig:
     store_backend: str = "lmdb"
     gateway_id: str = ""  # [broker] gateway_id (default: the host name); {gateway_id} in [[upstream]] rules
     upstreams: list[UpstreamConfig] = field(default_factory=list)  # [[upstream]] (gateway/upstream/)
+    metrics_bind: str | None = None  # [metrics] bind: "host:port" of the Prometheus endpoint; None = off
 
 
 # key -> (kind, low, high, description of what is allowed)
@@ -137,6 +141,10 @@ _RETAINED_LIMITS: dict[str, ValueSpec] = {
 }
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
+_TOP_KEYS.add("metrics")  # [metrics] bind (Prometheus, gateway/server/metrics.py)
+METRICS_BIND_ALLOWED = ('a TCP "host:port" such as "127.0.0.1:9883" or "[::1]:9883" (port 0..65535; 0 = any free '
+                        "port), not a Unix socket path")
+_METRICS_BIND: ValueSpec = ("address", 0, 65535, METRICS_BIND_ALLOWED)
 _BIND: ValueSpec = ("address", 0, 65535, ADDRESS_ALLOWED)
 _SYS_INTERVAL: ValueSpec = ("duration", 0, math.inf, 'a duration such as "10s" (0 = off)')
 _STORE_MAX_SIZE: ValueSpec = ("size", 4 * 1024 * 1024, 2**62, 'a size of at least 4MB such as "1GB"')
@@ -216,6 +224,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
             else:
                 cfg.gateway_id = value
     _load_store(cfg, data.get("store", {}), errors)
+    cfg.metrics_bind = load_metrics(data.get("metrics"), errors)
     if "upstream" in data:
         from gateway.upstream.config import default_gateway_id, parse_upstreams  # (see gateway_id above)
 
@@ -258,6 +267,26 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
     if errors:
         raise ConfigError(errors, source)
     return cfg
+
+
+def load_metrics(table: Any, errors: list[str], where: str = "metrics") -> str | None:
+    """``[metrics] bind`` (``where``): the TCP ``"host:port"`` of the Prometheus endpoint, or ``None`` when the table
+    or the key is absent (metrics off). Each mistake appends ``where.key = 'value': what is allowed``."""
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        errors.append(f"{where}: must be a table with bind = \"host:port\"")
+        return None
+    for key in table:
+        if key != "bind":
+            errors.append(f"{where}.{key}: unknown key; allowed: bind")
+    if "bind" not in table:
+        return None
+    bind = check_value(where, "bind", table["bind"], errors, _METRICS_BIND)
+    if bind is not None and is_unix_path(bind):
+        errors.append(f"{where}.bind = {bind!r}: must be {METRICS_BIND_ALLOWED}")
+        return None
+    return bind
 
 
 def _load_tls(where: str, table: dict[str, Any], bind: str | None, errors: list[str]) -> TlsSettings | None:

@@ -58,6 +58,31 @@ def reload_security(config: GatewayConfig, broker: Broker, tls_listeners: dict[s
             log.info("reload: listener %r: TLS certificate and key reloaded", lc.name)
 
 
+def _start_metrics(config: GatewayConfig, broker: Broker, loop: asyncio.AbstractEventLoop, lmdb_store: Any,
+                   upstream: Any, servers: list[Any], store: SessionStore) -> Any:
+    """``[metrics] bind``: start the Prometheus endpoint (gateway/server/metrics.py; imported only when configured),
+    or None when off.
+
+    Raises:
+        BindError: it cannot listen there; the listeners are closed and the store too.
+    """
+    if config.metrics_bind is None:
+        return None
+    from gateway.server.metrics import BrokerCollector, MetricsServer
+
+    metrics = MetricsServer(config.metrics_bind, BrokerCollector(broker, loop, lmdb_store, upstream))
+    try:
+        where = metrics.start()
+    except OSError as exc:
+        for server in servers:
+            server.close()
+        store.close()
+        reason = exc.strerror or str(exc)
+        raise BindError(f"cannot listen on {config.metrics_bind} ([metrics] bind): {reason}") from None
+    log.info("metrics: Prometheus /metrics on http://%s/metrics", where)
+    return metrics
+
+
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives.
 
@@ -141,6 +166,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             server.close()
         store.close()
         raise
+    metrics = _start_metrics(config, broker, loop, lmdb_store, upstream, servers, store)
 
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -173,6 +199,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         while io.open_connections and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)
+        if metrics is not None:
+            metrics.stop()
         broker.store.close()
         if lmdb_store is not None:
             log.info("store closed: %d commits of %d changes", lmdb_store.commits, lmdb_store.committed_ops)

@@ -23,6 +23,7 @@ typed operations and applied here.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import errno
 import logging
@@ -70,6 +71,9 @@ _BATCH_ERRORS: tuple[type[BaseException], ...] = (
     lmdb.MapFullError, lmdb.DiskError, lmdb.PanicError, lmdb.TxnFullError, lmdb.ReadonlyError, lmdb.MemoryError,
     lmdb.MapResizedError, lmdb.BadTxnError, lmdb.ReadersFullError, OSError, MemoryError,
 )
+#: Upper bounds (seconds) of the commit latency histogram (``fsync_buckets``): LMDB's ``txn.commit()``, which writes
+#: the dirty pages and fdatasyncs the data and the meta page; the Prometheus collector reads the counts at scrape time.
+FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _QUOTA_TEXT = os.strerror(errno.EDQUOT)
 _EIO_TEXT = os.strerror(errno.EIO)
 
@@ -152,6 +156,10 @@ class LmdbWriter:
         self._page_size = 0  # bytes: LMDB's page size
         self.commits = 0
         self.committed_ops = 0
+        #: Commits by latency: ``fsync_buckets[i]`` counts those of at most ``FSYNC_BUCKETS[i]`` seconds (and above
+        #: the one before); the last item counts the slower ones. ``fsync_seconds`` is their sum (seconds).
+        self.fsync_buckets = [0] * (len(FSYNC_BUCKETS) + 1)
+        self.fsync_seconds = 0.0
         self.last_commit_at = time.monotonic()
         self.write_errors = 0
         self.failed_changes = 0  # changes left out of a commit because they failed alone
@@ -269,7 +277,11 @@ class LmdbWriter:
                 except BaseException:
                     txn.abort()
                     raise
+                started = time.perf_counter()
                 txn.commit()
+                took = time.perf_counter() - started
+                self.fsync_buckets[bisect.bisect_left(FSYNC_BUCKETS, took)] += 1
+                self.fsync_seconds += took
                 break
             except lmdb.MapFullError:
                 self._rollback_refs()

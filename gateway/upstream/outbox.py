@@ -205,6 +205,8 @@ class Outbox:
             ``forwarded_qos0``, ``publish_sent`` (re-sends included), ``connects``, ``ack_timeouts``.
         dropped: drops by reason (docs/upstream.md "Bounds and drops").
         last_ack_at: wall-clock seconds of the last PUBACK/PUBCOMP, or None.
+        rtt_last, rtt_sum, rtt_count: the last round trip (send to PUBACK/PUBCOMP, seconds, None before the
+            first), the sum of all (seconds) and their number.
         wake_at: after :meth:`next_send` returned None because of pacing, the wall-clock time at which the drain
             tokens allow the next message; else None.
         warn_due: drops wait for :meth:`warning`.
@@ -242,6 +244,11 @@ class Outbox:
         self.counters: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self.last_ack_at: float | None = None
+        #: Round trips (seconds from the last send of a QoS 1/2 message to its PUBACK/PUBCOMP): the last one,
+        #: their sum and their number.
+        self.rtt_last: float | None = None
+        self.rtt_sum = 0.0
+        self.rtt_count = 0
         self.wake_at: float | None = None
         self.warn_due = False
         self._warn_pending: Counter[str] = Counter()
@@ -431,7 +438,10 @@ class Outbox:
         if entry is None or entry.state != INFLIGHT:
             return False
         self.last_ack_at = now
-        self._last_ack_elapsed = self._advance(now)
+        elapsed = self._last_ack_elapsed = self._advance(now)
+        rtt = self.rtt_last = max(0.0, elapsed - entry.sent_at)
+        self.rtt_sum += rtt
+        self.rtt_count += 1
         if reason_code >= 0x80:
             log.warning(
                 "upstream %s: %s refused by the cloud broker (reason 0x%02X); dropped",
