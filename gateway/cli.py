@@ -129,6 +129,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         tls = ""
         if lc.tls is not None:
             tls = f", TLS ({lc.tls.tls_version} minimum{', client certificates required' * lc.tls.require_certificate})"
+        if lc.protocol == "websockets":
+            tls += f", MQTT over WebSockets{' (wss)' if lc.tls is not None else ''} on path {lc.path}"
         print(f"listener {lc.name}: bind {lc.bind}, max_inflight {lc.limits.max_inflight}, "
               f"max_mqueue_len {lc.limits.max_mqueue_len}{tls}")
         print(f"listener {lc.name}: {lc.auth.describe()}")

@@ -65,7 +65,7 @@ _ALLOWED_LISTENER_KEYS = (
     "high_watermark, keyfile, "
     "max_awaiting_rel, max_clientid_len, max_connections, max_inflight, max_keepalive, max_mqueue_bytes, "
     "max_mqueue_len, max_packet_size, max_publish_rate, max_subscriptions, max_topic_length, max_topic_levels, "
-    "message_expiry_interval, mqueue_store_qos0, password_file, "
+    "message_expiry_interval, mqueue_store_qos0, password_file, path, protocol, "
     "require_certificate, retry_interval, send_timeout, session_expiry_interval, tls_version, topic_alias_maximum, "
     "use_identity_as_username, zone"
 )
@@ -186,6 +186,15 @@ def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -
      "broker.max_retained_messages = 1.5: must be an integer >= 0 (0 = no limit)"),
     ("[broker]\nmax_retained_bytes = \"lots\"\n",
      "broker.max_retained_bytes = 'lots': must be a size such as \"64MB\" (0 = no limit)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nprotocol = \"ws\"\n",
+     "listeners.x.protocol = 'ws': must be one of 'mqtt', 'websockets' (\"websockets\": MQTT over WebSockets, wss "
+     "with the TLS keys)"),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\nprotocol = \"websockets\"\npath = \"mqtt\"\n",
+     "listeners.x.path = 'mqtt': must be an HTTP path starting with \"/\" (no spaces, \"?\" or \"#\"), such as "
+     "\"/mqtt\""),
+    ("[listeners.x]\nbind = \"127.0.0.1:0\"\npath = \"/mqtt\"\n",
+     "listeners.x.path = '/mqtt': only a protocol = \"websockets\" listener has a path (this one is protocol = "
+     "'mqtt')"),
     ("[listeners.x\n", None),
 ])
 def test_check_config_each_mistake_is_explained(tmp_path: Path, text: str, error: str | None) -> None:

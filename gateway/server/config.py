@@ -22,6 +22,11 @@ Layout (DESIGN.md §6)::
     cafile = "/etc/edge-gateway/tls/ca.crt"
     require_certificate = true
 
+    [listeners.ws]              # MQTT over WebSockets (mosquitto.conf(5) "protocol websockets"); TLS keys make it wss
+    bind = "127.0.0.1:8080"
+    protocol = "websockets"
+    path = "/mqtt"              # the upgrade path; other paths get 404
+
     [metrics]                   # Prometheus /metrics (gateway/server/metrics.py); off when absent
     bind = "127.0.0.1:9883"
 
@@ -69,6 +74,9 @@ class ListenerConfig:
         bind: ``host:port`` (TCP) or an absolute path (Unix socket).
         tls: the TLS keys when the listener is TLS (``certfile`` and ``keyfile`` given), else ``None``.
         auth: ``allow_anonymous``, ``password_file``, ``acl_file`` and the files loaded (gateway/server/access.py).
+        protocol: ``"mqtt"`` (MQTT on TCP or TLS) or ``"websockets"`` (MQTT over WebSockets, mosquitto.conf(5)'s
+            ``protocol websockets``; TLS keys make it ``wss``): gateway/server/websocket.py.
+        path: the HTTP path WebSocket clients upgrade on (``"/mqtt"``); other paths are answered 404.
     """
 
     name: str
@@ -76,6 +84,8 @@ class ListenerConfig:
     limits: ZoneLimits
     tls: TlsSettings | None = None
     auth: AuthConfig = field(default_factory=lambda: AuthConfig(allow_anonymous=True))
+    protocol: str = "mqtt"
+    path: str = "/mqtt"
 
     @property
     def is_unix(self) -> bool:
@@ -133,6 +143,9 @@ _TLS_PATH_KEYS = ("certfile", "keyfile", "cafile", "capath")
 _TLS_BOOL_KEYS = ("require_certificate", "use_identity_as_username")
 _TLS_KEYS = (*_TLS_PATH_KEYS, *_TLS_BOOL_KEYS, "tls_version", "ciphers")
 _LISTENER_KEYS = {"bind", "zone", *_LIMIT_KEYS, *_TLS_KEYS}
+# protocol = "mqtt" | "websockets" (mosquitto.conf(5) ``protocol``), path = "/mqtt" (the WebSocket upgrade path)
+LISTENER_PROTOCOLS = ("mqtt", "websockets")
+_LISTENER_KEYS.update(("protocol", "path"))
 _BROKER_KEYS = {"sys_interval", "log_level", "retain_available", "event_loop", "gateway_id", "max_sessions",
                 "max_retained_messages", "max_retained_bytes"}
 _RETAINED_LIMITS: dict[str, ValueSpec] = {
@@ -253,7 +266,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 errors.append(f"{where}.{key}: unknown key; allowed: {', '.join(sorted(_LISTENER_KEYS))}")
             elif key == "bind":
                 bind = check_value(where, key, value, errors, _BIND)
-            elif key in ("zone", *_TLS_KEYS, *AUTH_KEYS):
+            elif key in ("zone", "protocol", "path", *_TLS_KEYS, *AUTH_KEYS):
                 continue
             else:
                 parsed = check_value(where, key, value, errors, _LIMIT_KEYS[key])
@@ -261,8 +274,9 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                     setattr(limits, key, parsed)
         tls = _load_tls(where, table, bind, errors)
         auth = load_auth(where, table, bind, errors)
+        protocol, path = _load_protocol(where, table, errors)
         if bind is not None:
-            cfg.listeners.append(ListenerConfig(name, bind, limits, tls, auth))
+            cfg.listeners.append(ListenerConfig(name, bind, limits, tls, auth, protocol, path))
     cfg.broker.zones = {lc.name: lc.limits for lc in cfg.listeners}
     if errors:
         raise ConfigError(errors, source)
@@ -287,6 +301,26 @@ def load_metrics(table: Any, errors: list[str], where: str = "metrics") -> str |
         errors.append(f"{where}.bind = {bind!r}: must be {METRICS_BIND_ALLOWED}")
         return None
     return bind
+
+
+def _load_protocol(where: str, table: dict[str, Any], errors: list[str]) -> tuple[str, str]:
+    """``protocol`` and ``path`` of ``[listeners.<name>]`` (``where``): ``("mqtt", "/mqtt")`` when absent. Each
+    mistake appends ``where.key = 'value': what is allowed``."""
+    protocol = table.get("protocol", "mqtt")
+    if protocol not in LISTENER_PROTOCOLS:
+        errors.append(f"{where}.protocol = {protocol!r}: must be one of {', '.join(map(repr, LISTENER_PROTOCOLS))} "
+                      '("websockets": MQTT over WebSockets, wss with the TLS keys)')
+        protocol = "mqtt"
+    path = table.get("path", "/mqtt")
+    if not isinstance(path, str) or not path.startswith("/") or any(c in path for c in " ?#") \
+            or not path.isprintable():
+        errors.append(f'{where}.path = {path!r}: must be an HTTP path starting with "/" (no spaces, "?" or "#"), '
+                      'such as "/mqtt"')
+        path = "/mqtt"
+    elif "path" in table and protocol != "websockets":
+        errors.append(f'{where}.path = {path!r}: only a protocol = "websockets" listener has a path (this one is '
+                      f"protocol = {protocol!r})")
+    return protocol, path
 
 
 def _load_tls(where: str, table: dict[str, Any], bind: str | None, errors: list[str]) -> TlsSettings | None:

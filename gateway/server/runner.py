@@ -24,6 +24,7 @@ from gateway.server.config import GatewayConfig
 from gateway.server.notify import SystemdNotify, install_debug_hang
 from gateway.server.protocol import BrokerIO, MQTTProtocol
 from gateway.server.tls_accept import TlsListener
+from gateway.server.websocket import WebSocketProtocol
 from gateway.store.lmdb_store import LmdbStore
 
 if TYPE_CHECKING:
@@ -130,7 +131,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     tls_listeners: dict[str, TlsListener] = {}
     try:
         for listener in config.listeners:
-            def factory(lc=listener) -> MQTTProtocol:  # type: ignore[no-untyped-def]
+            def factory(lc=listener) -> MQTTProtocol | WebSocketProtocol:  # type: ignore[no-untyped-def]
+                if lc.protocol == "websockets":  # MQTT over WebSockets: an MQTTProtocol behind the upgrade
+                    return WebSocketProtocol(io, lc.limits, lc.name, lc.path)
                 return MQTTProtocol(io, lc.limits, lc.name)
 
             try:
@@ -143,7 +146,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                 else:
                     host, port = listener.host_port()
                     if listener.tls is not None:  # its own accept loop and handshake (gateway/server/tls_accept.py)
-                        tls = TlsListener(io, build_server_context(listener.tls), listener.name, listener.limits)
+                        wss = None
+                        if listener.protocol == "websockets":
+                            def wss(accepted_at: float, lc=listener) -> WebSocketProtocol:  # type: ignore[no-untyped-def]
+                                return WebSocketProtocol(io, lc.limits, lc.name, lc.path, accepted_at)
+                        tls = TlsListener(io, build_server_context(listener.tls), listener.name, listener.limits,
+                                          wss)
                         tls_listeners[listener.name] = tls
                         sockets: Any = await tls.start(host, port)
                         server = tls
@@ -158,9 +166,10 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             except TlsConfigError as exc:  # a file changed since the configuration was checked
                 raise BindError(f"cannot listen on {listener.bind} (listener {listener.name!r}): {exc}") from None
             servers.append(server)
-            log.info("listening on %s (listener %r, max_inflight=%d, max_mqueue_len=%d%s)", where, listener.name,
+            log.info("listening on %s (listener %r, max_inflight=%d, max_mqueue_len=%d%s%s)", where, listener.name,
                      listener.limits.max_inflight, listener.limits.max_mqueue_len,
-                     ", TLS" if listener.tls is not None else "")
+                     ", TLS" if listener.tls is not None else "",
+                     f", WebSockets on {listener.path}" if listener.protocol == "websockets" else "")
     except BindError:
         for server in servers:
             server.close()

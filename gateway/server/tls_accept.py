@@ -32,6 +32,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gateway.auth.tls import peer_common_name
@@ -95,10 +96,15 @@ class TlsListener(asyncio.AbstractServer):
         context: the server context from :func:`gateway.auth.tls.build_server_context`.
         name: the listener's name, for log lines.
         limits: the listener's zone limits; ``connect_timeout`` (seconds) bounds the handshake.
+        protocol_factory: builds the protocol of a connection whose handshake is done, given its accept time
+            (seconds since the epoch); None: a :class:`TlsMQTTProtocol` (``wss`` listeners give a
+            :class:`~gateway.server.websocket.WebSocketProtocol`).
     """
 
-    def __init__(self, io: BrokerIO, context: ssl.SSLContext, name: str, limits: ZoneLimits) -> None:
+    def __init__(self, io: BrokerIO, context: ssl.SSLContext, name: str, limits: ZoneLimits,
+                 protocol_factory: Callable[[float], asyncio.BaseProtocol] | None = None) -> None:
         self.io = io
+        self.protocol_factory = protocol_factory
         self.context = context
         self.name = name
         self.limits = limits
@@ -167,8 +173,10 @@ class TlsListener(asyncio.AbstractServer):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # returns once the handshake is done (TlsMQTTProtocol.connection_made has run); on a failure the
             # loop closes the connection and raises here
+            make = self.protocol_factory
             await loop.connect_accepted_socket(
-                lambda: TlsMQTTProtocol(self.io, self.limits, self.name, accepted_at),
+                (lambda: TlsMQTTProtocol(self.io, self.limits, self.name, accepted_at)) if make is None
+                else (lambda: make(accepted_at)),  # type: ignore[arg-type,return-value]
                 sock,
                 ssl=self.context,
                 ssl_handshake_timeout=self.limits.connect_timeout,
