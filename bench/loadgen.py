@@ -48,7 +48,10 @@ from gateway.mqtt.packets import (  # noqa: E402
     Connect,
     Disconnect,
     PubAck,
+    PubComp,
     Publish,
+    PubRec,
+    PubRel,
     Suback,
     Subscribe,
     Subscription,
@@ -63,6 +66,15 @@ PID_HEADER = struct.Struct(">HHIQ")  # Packet Identifier directly followed by th
 BATCH = 512  # QoS 0 messages per write (about 42 KB)
 DISCONNECT = Disconnect().encode(VERSION)
 ACKS = [PubAck(i).encode(VERSION) if i else b"" for i in range(65536)]  # pre-encoded PUBACK per Packet Identifier
+
+
+def _acks(packet: type[Any]) -> list[bytes]:
+    """One QoS 2 acknowledgement per Packet Identifier: encoded once by the codec, its identifier patched."""
+    head = packet(1).encode(VERSION)[:-2]
+    return [head + i.to_bytes(2, "big") if i else b"" for i in range(65536)]
+
+
+RECS, RELS, COMPS = _acks(PubRec), _acks(PubRel), _acks(PubComp)  # QoS 2 flow (MQTT 3.1.1 §4.3.3)
 USERNAME = "bench"  # amqtt keeps a Clean Session = 0 session only for a client that is not anonymous
 # A QoS 0 subscriber whose read returned less than COALESCE_BELOW bytes sleeps COALESCE_SLEEP seconds before the next
 # read, so that a broker writing one packet per send() does not make the load generator pay a wake-up and a read
@@ -338,10 +350,12 @@ def _process(st: _SubState, packets: Any, now_ns: int, latency: bool) -> bytes:
     received = uniq = dups = ooo = bad = dupf = 0
     for p in packets:
         if p.TYPE != 3:
+            if p.TYPE == 6:  # PUBREL of a QoS 2 delivery: PUBCOMP (the message was counted at its PUBLISH)
+                acks.append(COMPS[p.packet_id])
             continue
         received += 1
         if p.qos:
-            acks.append(ACKS[p.packet_id])
+            acks.append(ACKS[p.packet_id] if p.qos == 1 else RECS[p.packet_id])
             if p.dup:
                 dupf += 1
         payload = p.payload
@@ -540,12 +554,16 @@ def run_publisher_qos0(target: Target, pub: int, topic: str, count: int, ctl: Co
 
 
 def run_publisher_qos1(target: Target, pub: int, topic: str, count: int, ctl: Control, out: Any, name: str,
-                       window: int = 32, duration: float = 0.0, client_id: str | None = None) -> None:
+                       window: int = 32, duration: float = 0.0, client_id: str | None = None, qos: int = 1) -> None:
     """Publish QoS 1 with at most ``window`` unacknowledged, until ``count`` are acknowledged or ``duration`` is over
-    (then wait for the outstanding PUBACKs), or the connection drops (a killed broker). Reports what was acked."""
+    (then wait for the outstanding PUBACKs), or the connection drops (a killed broker). Reports what was acked.
+
+    ``qos=2``: the same with QoS 2; a PUBREC is answered with PUBREL, and a message counts as acknowledged (and
+    leaves the window) at its PUBCOMP."""
     check_target(target)
     sock, reader, _, _ = mqtt_connect(target, client_id or f"bench-pub{pub}-{os.getpid()}")
-    tmpl = Template(topic, 1)
+    tmpl = Template(topic, qos)
+    done_type = PubAck if qos == 1 else PubComp
     out.put(("ready", name, {}))
     if not ctl.go.wait(max(0.0, ctl.deadline - time.monotonic())):
         sock.close()
@@ -585,13 +603,18 @@ def run_publisher_qos1(target: Target, pub: int, topic: str, count: int, ctl: Co
             if not data:
                 error = "connection closed by the broker"
                 break
+            rels = []
             for p in reader.feed(data):
-                if isinstance(p, PubAck):
+                if isinstance(p, done_type):
                     s = inflight[p.packet_id]
                     if not acked_bm[s]:
                         acked_bm[s] = 1
                         nacked += 1
                         last_ack = time.monotonic()
+                elif isinstance(p, PubRec):
+                    rels.append(RELS[p.packet_id])
+            if rels:
+                sock.sendall(b"".join(rels))
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc}"
     t1 = time.time_ns()
@@ -602,6 +625,117 @@ def run_publisher_qos1(target: Target, pub: int, topic: str, count: int, ctl: Co
         sock.close()
     out.put(("done", name, {"pub": pub, "sent": sent, "acked": nacked, "acked_bitmap": bytes(acked_bm[:sent]),
                             "t_start_ns": t0, "t_end_ns": t1, "error": error}))
+
+
+def publish_retained(target: Target, prefix: str, n: int, window: int = 32, timeout: float = 60.0) -> None:
+    """Publish ``n`` retained QoS 1 messages, one per topic ``{prefix}{i}`` (payload header: publisher 0, sequence
+    ``i``), at most ``window`` unacknowledged; returns once every PUBACK arrived and the broker closed after our
+    DISCONNECT (so every message is retained)."""
+    check_target(target)
+    sock, reader, _, _ = mqtt_connect(target, f"bench-retain-{os.getpid()}", timeout=timeout)
+    packets = [Publish(f"{prefix}{i}", HEADER.pack(0, i, 0).ljust(PAYLOAD_SIZE, b"."), 1, retain=True,
+                       packet_id=i % 65535 + 1).encode(VERSION) for i in range(n)]
+    sent = acked = 0
+    deadline = time.monotonic() + timeout
+    while acked < n:
+        if time.monotonic() > deadline:
+            sock.close()
+            raise TimeoutError(f"{acked} of {n} retained messages acknowledged in {timeout:.0f} s")
+        k = min(window - (sent - acked), n - sent)
+        if k > 0:
+            sock.sendall(b"".join(packets[sent:sent + k]))
+            sent += k
+        data = sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError(f"{target.name} closed the connection while retained messages were published")
+        acked += sum(1 for p in reader.feed(data) if isinstance(p, PubAck))
+    if not close_gracefully(sock):
+        raise RuntimeError(f"{target.name} did not close after DISCONNECT")
+
+
+def run_retained_subscribers(target: Target, n_subs: int, topic_filter: str, expect: int, ctl: Control, out: Any,
+                             name: str) -> None:
+    """``n_subs`` clients connect at once (every socket connected first, then each sends CONNECT and SUBSCRIBE
+    ``topic_filter`` QoS 0 in one write, all before any answer is read) and receive the retained messages; each
+    PUBLISH is decoded and checked (RETAIN set, sequence number in the payload: losses and duplicates per
+    subscriber). Reports ``ready`` once connected, then ``done`` when every subscriber has ``expect`` distinct
+    messages, or the deadline."""
+    check_target(target)
+    socks = []
+    for _ in range(n_subs):
+        sock = _socket(target)
+        socks.append(sock)
+    out.put(("ready", name, {"subscribers": n_subs}))
+    if not ctl.go.wait(max(0.0, ctl.deadline - time.monotonic())):
+        for sock in socks:
+            sock.close()
+        out.put(("done", name, {"error": "never started"}))
+        return
+    sel = selectors.DefaultSelector()
+    states = []
+    t0 = time.time_ns()
+    for i, sock in enumerate(socks):
+        sock.sendall(Connect(f"bench-ret-{os.getpid()}-{i}", VERSION, True, 60, username=USERNAME).encode(VERSION)
+                     + Subscribe(1, [Subscription(topic_filter, 0)]).encode(VERSION))
+    for sock in socks:
+        sock.setblocking(False)
+        st = {"reader": PacketReader(version=VERSION), "seen": bytearray(expect), "uniq": 0, "dups": 0, "bad": 0,
+              "not_retained": 0, "suback": False, "last_ns": 0}
+        states.append(st)
+        sel.register(sock, selectors.EVENT_READ, st)
+    unpack = HEADER.unpack_from
+    complete = 0
+    closed = 0
+    while complete + closed < n_subs and time.monotonic() < ctl.deadline:
+        for key, _ in sel.select(0.2):
+            st = key.data
+            try:
+                data = key.fileobj.recv(1 << 20)  # type: ignore[union-attr]
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(key.fileobj)
+                closed += 1
+                continue
+            seen = st["seen"]
+            uniq = st["uniq"]
+            for p in st["reader"].feed(data):
+                if p.TYPE != 3:
+                    st["suback"] = st["suback"] or isinstance(p, Suback)
+                    continue
+                if not p.retain:
+                    st["not_retained"] += 1
+                if len(p.payload) != PAYLOAD_SIZE:
+                    st["bad"] += 1
+                    continue
+                _, seq, _ = unpack(p.payload)
+                if seq >= expect:
+                    st["bad"] += 1
+                elif seen[seq]:
+                    st["dups"] += 1
+                else:
+                    seen[seq] = 1
+                    uniq += 1
+            if uniq != st["uniq"]:
+                st["last_ns"] = time.time_ns()
+                if uniq >= expect > st["uniq"]:
+                    complete += 1
+                st["uniq"] = uniq
+    sel.close()
+    for sock in socks:
+        try:
+            sock.setblocking(True)
+            sock.sendall(DISCONNECT)
+        except OSError:
+            pass
+        sock.close()
+    out.put(("done", name, {"t_start_ns": t0, "last_ns": max(st["last_ns"] for st in states),
+                            "unique": sum(st["uniq"] for st in states), "dups": sum(st["dups"] for st in states),
+                            "bad": sum(st["bad"] for st in states), "complete": complete, "closed": closed,
+                            "not_retained": sum(st["not_retained"] for st in states),
+                            "subacks": sum(st["suback"] for st in states)}))
 
 
 def run_idle(target: Target, n: int, ctl: Control, out: Any, name: str, keep_alive: int = 60,

@@ -17,6 +17,9 @@ Scenarios (64-byte payloads, MQTT 3.1.1):
   idle     5000 idle connections (keep alive 60): connect rate, broker RSS per connection
   offline  100 000 QoS 1 messages to a persistent offline subscriber (edge-gateway: durable LMDB with fsync group
            commits; Mosquitto: persistence false; amqtt: memory), then the drain on reconnect
+  qos2     QoS 2 end to end, exactly once, 4 publishers x 32 in flight, clean sessions: msgs/s, PUBCOMPs/s,
+           p50/p99 latency, duplicates, losses
+  retained 10 000 retained topics, then 100 clients connect at once and subscribe to #: retained deliveries/s
   kill     durable QoS 1, SIGKILL mid-run: acknowledged messages lost after restart (Mosquitto: persistence true,
            default autosave_interval)
 Broker CPU per message comes from /proc/PID/stat (utime + stime) before/after.
@@ -54,10 +57,12 @@ from loadgen import (  # noqa: E402
     merge_subscribers,
     percentile,
     prepare_persistent_subscriber,
+    publish_retained,
     raise_nofile,
     run_idle,
     run_publisher_qos0,
     run_publisher_qos1,
+    run_retained_subscribers,
     run_subscribers,
     self_check,
 )
@@ -80,13 +85,17 @@ class Params:
     fanout_subs: int = 50
     idle_conns: int = 5000
     offline_msgs: int = 100_000
+    qos2_seconds: float = 4.0
+    retained_topics: int = 10_000
+    retained_subs: int = 100
     kill_after: float = 2.0
     amqtt_cap: float = 45.0  # seconds a single amqtt cell may take
     selfcheck_seconds: float = 1.5
 
 
 QUICK = Params(runs=1, fanin_per_pub=10_000, qos1_seconds=1.5, fanout_msgs=2_000, idle_conns=5000,
-               offline_msgs=20_000, kill_after=1.0, amqtt_cap=20.0, selfcheck_seconds=0.7)
+               offline_msgs=20_000, qos2_seconds=1.5, retained_topics=2_000, retained_subs=20, kill_after=1.0,
+               amqtt_cap=20.0, selfcheck_seconds=0.7)
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,13 @@ METRICS = [
     Metric("qos1.p99", "QoS 1 end to end (4 pub x 32 in flight)", "p99 latency ms", "ms", "down"),
     Metric("qos1.lost", "QoS 1 end to end (4 pub x 32 in flight)", "acked but lost", "count", ""),
     Metric("qos1.cpu", "QoS 1 end to end (4 pub x 32 in flight)", "broker CPU us/msg", "us", "down"),
+    Metric("qos2.rate", "QoS 2 end to end (4 pub x 32 in flight)", "msgs/s", "rate", "up"),
+    Metric("qos2.acked", "QoS 2 end to end (4 pub x 32 in flight)", "publisher PUBCOMPs/s", "rate", "up"),
+    Metric("qos2.p50", "QoS 2 end to end (4 pub x 32 in flight)", "p50 latency ms", "ms", "down"),
+    Metric("qos2.p99", "QoS 2 end to end (4 pub x 32 in flight)", "p99 latency ms", "ms", "down"),
+    Metric("qos2.dups", "QoS 2 end to end (4 pub x 32 in flight)", "duplicates", "count", ""),
+    Metric("qos2.lost", "QoS 2 end to end (4 pub x 32 in flight)", "completed but lost", "count", ""),
+    Metric("qos2.cpu", "QoS 2 end to end (4 pub x 32 in flight)", "broker CPU us/msg", "us", "down"),
     Metric("fanout.rate", "fan-out QoS 0 (1 pub -> 50 sub)", "deliveries/s", "rate", "up", "fanout"),
     Metric("fanout.lost", "fan-out QoS 0 (1 pub -> 50 sub)", "lost deliveries", "count", ""),
     Metric("fanout.cpu", "fan-out QoS 0 (1 pub -> 50 sub)", "broker CPU us/delivery", "us", "down"),
@@ -120,6 +136,13 @@ METRICS = [
     Metric("offline.lost", "offline QoS 1 backlog", "lost (acked, not drained)", "count", ""),
     Metric("offline.ooo", "offline QoS 1 backlog", "out of order in drain", "count", ""),
     Metric("offline.cpu", "offline QoS 1 backlog", "broker CPU us/msg (publish+drain)", "us", "down"),
+    Metric("offline.pubcpu", "offline QoS 1 backlog", "broker CPU us/msg, publish", "us", "down"),
+    Metric("offline.draincpu", "offline QoS 1 backlog", "broker CPU us/msg, drain", "us", "down"),
+    Metric("retained.rate", "retained (10k topics, 100 `#` subscribers at once)", "retained deliveries/s", "rate",
+           "up"),
+    Metric("retained.lost", "retained (10k topics, 100 `#` subscribers at once)", "lost deliveries", "count", ""),
+    Metric("retained.cpu", "retained (10k topics, 100 `#` subscribers at once)", "broker CPU us/delivery", "us",
+           "down"),
     Metric("kill.acked", "durable QoS 1, SIGKILL mid-run", "messages acked before kill", "count", ""),
     Metric("kill.lost", "durable QoS 1, SIGKILL mid-run", "acked messages lost", "count", ""),
 ]
@@ -247,6 +270,82 @@ def scenario_qos1(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
             "qos1.p99": percentile(lat, 99), "qos1.lost": lost, "qos1.cpu": cpu}
 
 
+def scenario_qos2(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
+    """QoS 2 end to end, exactly once: 4 publishers x 32 in flight (a message leaves the window at its PUBCOMP)
+    -> 1 QoS 2 subscriber (PUBREC per PUBLISH, PUBCOMP per PUBREL), clean sessions; every delivery checked for
+    duplicates (the payload's sequence number, per publisher) and completed publishes for losses."""
+    assert b.target is not None
+    t = b.target
+    w = Workers(budget)
+    try:
+        sub = w.spawn(run_subscribers, t, [SubSpec("bench-q2-sub", "bench/q2/#", 2, pubs=4, per_pub=1 << 16)],
+                      w.ctl, latency=True, bitmaps=True, idle=2.0)
+        w.collect("ready", [sub], 20)
+        pubs = [w.spawn(run_publisher_qos1, t, i, f"bench/q2/p{i}", 1 << 30, w.ctl, window=32,
+                        duration=p.qos2_seconds, qos=2) for i in range(4)]
+        w.collect("ready", pubs, 20)
+        meter = Meter(b)
+        w.ctl.go.set()
+        done = w.collect("done", pubs, budget)
+        sent = sum(d["sent"] for d in done.values())
+        w.ctl.expect.value = sent
+        w.ctl.pubs_done.set()
+        subs = w.collect("done", [sub], budget)
+        m = merge_subscribers(subs)
+        cpu = meter.cpu_us(m["unique"])
+        info["core1_busy"] = meter.core_busy()
+        info["core0_foreign"] = meter.foreign()
+        load = (max(w.load(), info["core1_busy"]), meter.broker_busy())
+        info["bound"] = {"qos2.rate": load, "qos2.acked": load}
+    finally:
+        w.close()
+    errors = [d["error"] for d in done.values() if d["error"]]
+    if errors:
+        raise RuntimeError(f"publisher errors: {errors}")
+    bitmaps = m["subscribers"][0]["bitmaps"]
+    by_pub = {d["pub"]: d for d in done.values()}
+    lost = sum(_lost(by_pub[i]["acked_bitmap"], bitmaps[i]) for i in range(4))
+    lat = latencies_ms(subs)
+    t0 = min(d["t_start_ns"] for d in done.values())
+    t1 = max(d["t_end_ns"] for d in done.values())
+    acked = sum(d["acked"] for d in done.values())
+    info["checks"] = {"sent": sent, "completed": acked, "delivered": m["unique"], "dups": m["dups"],
+                      "out_of_order": m["out_of_order"], "bad": m["bad"], "dup_flag": m["dup_flag"]}
+    return {"qos2.rate": m["unique"] / max(1e-9, (m["last_ns"] - t0) / 1e9),
+            "qos2.acked": acked / max(1e-9, (t1 - t0) / 1e9), "qos2.p50": percentile(lat, 50),
+            "qos2.p99": percentile(lat, 99), "qos2.dups": m["dups"], "qos2.lost": lost, "qos2.cpu": cpu}
+
+
+def scenario_retained(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
+    """10,000 retained messages on 10,000 topics (published QoS 1, acknowledged, before the clock starts), then
+    100 clients connect at once and subscribe to ``#`` (QoS 0): retained deliveries/s from the first CONNECT to
+    the last delivery, every delivery checked (RETAIN set, each subscriber gets each message once)."""
+    assert b.target is not None
+    t = b.target
+    n, subs = p.retained_topics, p.retained_subs
+    publish_retained(t, "bench/ret/", n)
+    time.sleep(0.2)
+    w = Workers(budget)
+    try:
+        name = w.spawn(run_retained_subscribers, t, subs, "#", n, w.ctl)
+        w.collect("ready", [name], 20)
+        meter = Meter(b)
+        w.ctl.go.set()
+        r = w.collect("done", [name], budget)[name]
+        cpu = meter.cpu_us(r["unique"])
+        info["core1_busy"] = meter.core_busy()
+        info["core0_foreign"] = meter.foreign()
+        info["bound"] = {"retained.rate": (max(w.load([name]), info["core1_busy"]), meter.broker_busy())}
+    finally:
+        w.close()
+    if r.get("error"):
+        raise RuntimeError(r["error"])
+    info["checks"] = {"expected": n * subs, "delivered": r["unique"], "dups": r["dups"], "bad": r["bad"],
+                      "not_retained": r["not_retained"], "subacks": r["subacks"], "closed": r["closed"]}
+    return {"retained.rate": r["unique"] / max(1e-9, (r["last_ns"] - r["t_start_ns"]) / 1e9),
+            "retained.lost": n * subs - r["unique"], "retained.cpu": cpu}
+
+
 def scenario_fanout(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
     assert b.target is not None
     t = b.target
@@ -334,6 +433,7 @@ def scenario_offline(b: Broker, p: Params, budget: float, info: dict[str, Any]) 
         pub_busy = meter.core_busy()
         pub_foreign = meter.foreign()
         pub_broker = meter.broker_busy()
+        pub_cpu = meter.cpu_us(acked)
         time.sleep(0.5)
         rss1 = b.rss_kib()
         meter_drain = Meter(b)
@@ -344,6 +444,7 @@ def scenario_offline(b: Broker, p: Params, budget: float, info: dict[str, Any]) 
         w.collect("ready", [sub], 20)
         m = merge_subscribers(w.collect("done", [sub], budget))
         cpu = meter.cpu_us(n)
+        drain_cpu = meter_drain.cpu_us(m["unique"])
         info["core1_busy"] = max(pub_busy, meter_drain.core_busy())
         info["core0_foreign"] = max(pub_foreign, meter_drain.foreign())
         info["bound"] = {"offline.pub": (max(w.load(pubs), pub_busy), pub_broker),
@@ -361,7 +462,8 @@ def scenario_offline(b: Broker, p: Params, budget: float, info: dict[str, Any]) 
         raise RuntimeError(f"only {acked} of {n} publishes acknowledged")
     return {"offline.pub": acked / max(1e-9, (t1 - t0) / 1e9), "offline.rss": rss1 / 1024,
             "offline.drain": m["unique"] / max(1e-9, (m["last_ns"] - m["t_connect_ns"]) / 1e9),
-            "offline.lost": lost, "offline.ooo": m["out_of_order"], "offline.cpu": cpu}
+            "offline.lost": lost, "offline.ooo": m["out_of_order"], "offline.cpu": cpu, "offline.pubcpu": pub_cpu,
+            "offline.draincpu": drain_cpu}
 
 
 def scenario_kill(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
@@ -401,9 +503,11 @@ SCENARIOS: dict[str, tuple[Callable[[Broker, Params, float, dict[str, Any]], dic
     # name: (function, broker persistence, budget in seconds)
     "fanin": (scenario_fanin, False, 60.0),
     "qos1": (scenario_qos1, False, 40.0),
+    "qos2": (scenario_qos2, False, 40.0),
     "fanout": (scenario_fanout, False, 60.0),
     "idle": (scenario_idle, False, 90.0),
     "offline": (scenario_offline, False, 150.0),
+    "retained": (scenario_retained, False, 90.0),
     "kill": (scenario_kill, True, 90.0),
 }
 
