@@ -45,7 +45,11 @@ Config file (TOML), e.g. /etc/edge-gateway/gateway.toml:
                                   # wait only in the store and are read back as the queue drains
 
   [listeners.external]            # zone limits follow EMQX's names and defaults
-  bind = "0.0.0.0:1883"           # "host:port" or a Unix socket path
+  bind = "0.0.0.0:8883"           # "host:port" or a Unix socket path
+  certfile = "/etc/edge-gateway/tls/server.crt"   # TLS (README "TLS")
+  keyfile = "/etc/edge-gateway/tls/server.key"
+  password_file = "/etc/edge-gateway/passwd"      # mosquitto_passwd / edge-gateway passwd; anonymous
+                                  # clients are refused on a non-loopback bind (README "Security")
   max_inflight = 32               # Inflight Window; an MQTT 5 Receive Maximum caps it
   max_mqueue_len = 1000           # Message Queue; when full the oldest (QoS 0 first) is dropped
   mqueue_store_qos0 = true        # queue QoS 0 for offline persistent sessions

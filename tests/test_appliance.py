@@ -15,6 +15,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pki import issue
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ("edge-gateway.service", "firmware-bridge.service")
@@ -277,7 +279,13 @@ RENDER_PLAYBOOK = """
   hosts: all
   connection: local
   gather_facts: false
+  handlers:
+    - name: Reload edge-gateway credentials
+      ansible.builtin.debug:
+        msg: SIGHUP
   tasks:
+    - name: The role's credential files (certificates, key, password and ACL files), as the role writes them
+      ansible.builtin.include_tasks: ROLES/edge_gateway/tasks/credentials.yml
     - name: Render
       ansible.builtin.template:
         src: "{{ item.src }}"
@@ -290,11 +298,43 @@ RENDER_PLAYBOOK = """
 """
 
 
+def _fleet_pki(tmp: Path, hosts: list[str], vault_password: Path) -> Path:
+    """The example fleet's ``fleet_pki_dir``: ca.crt, <host>.crt, and <host>.key and passwd encrypted with
+    ansible-vault (the unvault lookup decrypts them), as the inventory's comment tells operators to make them."""
+    pki = tmp / "pki"
+    pki.mkdir()
+    ca = issue(pki, "ca", "Fleet CA")
+    for host in hosts:
+        issue(pki, host, host, ca, server=True)
+    made = subprocess.run(
+        [str(VENV_BIN / "edge-gateway"), "passwd", "-c", "-b", str(pki / "passwd"), "hmi-01", "hmi-pw"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    secrets = [str(pki / f"{host}.key") for host in hosts] + [str(pki / "passwd")]
+    enc = subprocess.run(
+        [str(VENV_BIN / "ansible-vault"), "encrypt", "--vault-password-file", str(vault_password), *secrets],
+        env=_ansible_env(tmp), capture_output=True, text=True, timeout=60,
+    )
+    assert enc.returncode == 0, enc.stderr
+    assert all(Path(p).read_text().startswith("$ANSIBLE_VAULT;") for p in secrets)
+    return pki
+
+
 def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
     """Issue 7: config templated from inventory variables (gateway id, upstream URL and credentials, serial ports).
     For every board of the example fleet the rendered gateway.toml passes `edge-gateway check-config` (with its
-    [[upstream]]), bridge.toml passes `firmware-bridge check-config`, and the udev rule names each USB adapter."""
+    [[upstream]]), bridge.toml passes `firmware-bridge check-config`, and the udev rule names each USB adapter.
+
+    Issue 15: the external listener is TLS on 8883 with client certificates (the fleet CA), a password file and an
+    ACL file; the plaintext listener binds 127.0.0.1 only. The role's credential tasks write the certificate, the
+    key and the password file (both from ansible-vault files) and the ACL file where gateway.toml names them, owned
+    by the broker's user (here: the test's user), the key and the password file 0600, the others 0640."""
     env = _ansible_env(tmp_path)
+    vault_password = tmp_path / "vault-pass"
+    vault_password.write_text("fleet-vault-pw\n")
+    pki = _fleet_pki(tmp_path, ["harbour-01", "harbour-02", "pier-01"], vault_password)
+    user = pwd.getpwuid(os.getuid()).pw_name
     inv = subprocess.run(
         [str(VENV_BIN / "ansible-inventory"), "-i", "inventory/fleet", "--list"],
         cwd=ROOT / "ansible",
@@ -314,6 +354,16 @@ def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
         # The roles' defaults, less what the inventory sets for this board (extra vars would override it).
         extra = {k: v for k, v in defaults.items() if k not in hvars}
         extra.update(out_dir=str(tmp_path / "out"), vault_upstream_password="s3cret", ansible_become=False)
+        # the credential files go into this board's output directory, owned by the test's user
+        etc = tmp_path / "out" / host
+        extra.update(
+            fleet_pki_dir=str(pki),
+            edge_gateway_user=user,
+            edge_gateway_prefix=str(ROOT / ".venv"),
+            edge_gateway_tls_dir=str(etc / "tls"),
+            edge_gateway_password_file=str(etc / "passwd"),
+            edge_gateway_acl_file=str(etc / "acl"),
+        )
         (tmp_path / "out" / host).mkdir(parents=True)
         (tmp_path / f"{host}.json").write_text(json.dumps(extra))
         proc = subprocess.run(
@@ -325,6 +375,8 @@ def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
                 host,
                 "-e",
                 f"@{tmp_path / f'{host}.json'}",
+                "--vault-password-file",
+                str(vault_password),
                 str(playbook),
             ],
             cwd=ROOT / "ansible",
@@ -357,6 +409,47 @@ def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
     assert (gw_toml["upstream"][0]["username"], gw_toml["upstream"][0]["password"]) == ("gw-harbour-01", "s3cret")
     assert gw_toml["upstream"][0]["subscribe"] == [{"remote": "cmd/{gateway_id}/#", "local": "{topic}", "qos": 1}]
     assert tomllib.loads((out / "pier-01" / "gateway.toml").read_text())["store"]["max_size"] == "4GB"
+    # issue 15: TLS on 8883 with client certificates, a password file and an ACL file; plaintext on loopback only
+    etc = out / "harbour-01"
+    assert gw_toml["listeners"] == {
+        "external": {
+            "bind": "0.0.0.0:8883",
+            "certfile": f"{etc}/tls/server.crt",
+            "keyfile": f"{etc}/tls/server.key",
+            "tls_version": "tlsv1.2",
+            "cafile": f"{etc}/tls/ca.crt",
+            "require_certificate": True,
+            "password_file": f"{etc}/passwd",
+            "acl_file": f"{etc}/acl",
+        },
+        "internal": {"bind": "127.0.0.1:1884"},
+    }
+    checked = subprocess.run(
+        [str(VENV_BIN / "edge-gateway"), "check-config", str(etc / "gateway.toml")],
+        capture_output=True, text=True, timeout=60,
+    ).stdout
+    assert re.search(r"listener external: bind 0\.0\.0\.0:8883, .*TLS \(tlsv1\.2 minimum, client certificates "
+                     r"required\)", checked), checked
+    assert f"anonymous refused (default: bind is not loopback), password_file {etc}/passwd (1 users), acl_file" in (
+        checked
+    )
+    for host in ("harbour-01", "harbour-02", "pier-01"):
+        files = {
+            "tls/server.crt": (0o640, (pki / f"{host}.crt").read_text()),
+            "tls/ca.crt": (0o640, (pki / "ca.crt").read_text()),
+            "tls/server.key": (0o600, None),
+            "passwd": (0o600, None),
+            "acl": (0o640, None),
+        }
+        for name, (mode, text) in files.items():
+            st = (out / host / name).stat()
+            assert (oct(st.st_mode & 0o777), st.st_uid) == (oct(mode), os.getuid()), (host, name)
+            if text is not None:
+                assert (out / host / name).read_text() == text
+        key = (out / host / "tls" / "server.key").read_text()
+        assert key.startswith("-----BEGIN PRIVATE KEY-----"), "the key is written decrypted"
+        assert (out / host / "passwd").read_text().startswith("hmi-01:$7$")
+        assert "pattern write sensors/%u/#" in (out / host / "acl").read_text()
     bridge_toml = tomllib.loads((out / "harbour-01" / "bridge.toml").read_text())
     assert bridge_toml["bridge"]["gateway_id"] == "gw-harbour-01"
     assert [(p["path"], p["protocol"], p["baudrate"]) for p in bridge_toml["ports"]] == [
@@ -376,6 +469,64 @@ def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
     ]
     pier = tomllib.loads((out / "pier-01" / "bridge.toml").read_text())
     assert [p["path"] for p in pier["ports"]] == ["/dev/ttyS1"]
+
+
+def test_image_inventory_keeps_only_the_loopback_listener(tmp_path: Path) -> None:
+    """Issue 15: the generic image holds no board's key, so its gateway.toml has no external listener, only the
+    plaintext loopback listener 127.0.0.1:1884 that firmware-bridge and the image test's probe (image/probe/probe.sh)
+    use; it passes check-config. The role's checks pass with no certificate (none is needed then)."""
+    env = _ansible_env(tmp_path)
+    defaults: dict[str, object] = {}
+    for role in ("edge_gateway", "firmware_bridge"):
+        defaults.update(yaml.safe_load((ROOT / "ansible" / "roles" / role / "defaults" / "main.yml").read_text()))
+    defaults.pop("edge_gateway_external_bind")  # the image inventory sets it
+    out = tmp_path / "out"
+    (out / "image").mkdir(parents=True)
+    defaults.update(out_dir=str(out), ansible_connection="local", edge_gateway_prefix=str(ROOT / ".venv"))
+    (tmp_path / "vars.json").write_text(json.dumps(defaults))
+    playbook = tmp_path / "render.yml"
+    playbook.write_text(RENDER_PLAYBOOK.replace("ROLES", str(ROOT / "ansible" / "roles")))
+    proc = subprocess.run(
+        [str(VENV_BIN / "ansible-playbook"), "-i", "inventory/image", "-e", f"image_root={tmp_path}",
+         "-e", f"@{tmp_path / 'vars.json'}", str(playbook)],
+        cwd=ROOT / "ansible", env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gw_toml = tomllib.loads((out / "image" / "gateway.toml").read_text())
+    assert gw_toml["listeners"] == {"internal": {"bind": "127.0.0.1:1884"}}
+    assert tomllib.loads((out / "image" / "bridge.toml").read_text())["mqtt"]["broker"] == "127.0.0.1:1884"
+    assert "1884" in (ROOT / "image" / "probe" / "probe.sh").read_text()
+    gw = subprocess.run(
+        [str(VENV_BIN / "edge-gateway"), "check-config", str(out / "image" / "gateway.toml")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert gw.returncode == 0, gw.stdout + gw.stderr
+    assert sorted(p.name for p in (out / "image").iterdir()) == ["bridge.toml", "gateway.toml", "serial.rules"]
+
+
+def test_role_refuses_an_external_listener_without_its_key(tmp_path: Path) -> None:
+    """Issue 15: secure by default, no silent fallback: an external listener with no key (or no password file and
+    no certificate identity) stops the play with a message naming the variables to set."""
+    env = _ansible_env(tmp_path)
+    defaults: dict[str, object] = {}
+    for role in ("edge_gateway", "firmware_bridge"):
+        defaults.update(yaml.safe_load((ROOT / "ansible" / "roles" / role / "defaults" / "main.yml").read_text()))
+    out = tmp_path / "out"
+    (out / "image").mkdir(parents=True)
+    defaults.update(out_dir=str(out), ansible_connection="local", edge_gateway_prefix=str(ROOT / ".venv"),
+                    edge_gateway_tls_cert="-----BEGIN CERTIFICATE-----")  # a certificate, no key, no passwd
+    (tmp_path / "vars.json").write_text(json.dumps(defaults))
+    playbook = tmp_path / "render.yml"
+    playbook.write_text(RENDER_PLAYBOOK.replace("ROLES", str(ROOT / "ansible" / "roles")))
+    proc = subprocess.run(
+        [str(VENV_BIN / "ansible-playbook"), "-i", "inventory/image", "-e", f"image_root={tmp_path}",
+         "-e", f"@{tmp_path / 'vars.json'}", str(playbook)],
+        cwd=ROOT / "ansible", env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    out_text = " ".join((proc.stdout + proc.stderr).split())
+    assert "an external listener (0.0.0.0:8883) needs edge_gateway_tls_cert and edge_gateway_tls_key" in out_text
+    assert not (out / "image" / "gateway.toml").exists()
 
 
 # ------------------------------------------------------------------------------------------ the image

@@ -25,8 +25,9 @@ journal() {  # the last lines of a unit's journal, to the console
     journalctl -u "$1" -n "${2:-15}" --no-pager -o cat 2>&1 | while IFS= read -r line; do say "  $1: $line"; done
 }
 prop() { systemctl show -p "$2" --value "$1"; }
-# Local tools use the internal loopback listener (1884): the external one binds 0.0.0.0, where anonymous clients
-# are refused by default (issue 15, README "Security").
+# Local tools use the internal loopback listener (1884), the image's only one: the external listener (TLS on 8883,
+# anonymous clients refused) needs a board's certificate and key, which a generic image does not hold (issue 15,
+# ansible/inventory/image/hosts.yml).
 roundtrip() {  # roundtrip TOPIC: a QoS 1 message from mosquitto_pub reaches mosquitto_sub through the broker
     token="rt-$(cut -d' ' -f1 /proc/uptime)-$$"
     rm -f /run/probe-rt
