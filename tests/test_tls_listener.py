@@ -8,6 +8,8 @@ listener and a plaintext loopback listener, certificates made by tests/pki.py.
   after ``connect_timeout``) with one log line per cause (a repeat within a minute is suppressed), while a
   :class:`QoS1Pair` on the plaintext listener loses nothing and good TLS clients still get in.
 - ``connect_timeout`` is one budget for handshake + CONNECT.
+- SIGHUP rotates the certificate: established TLS clients stay, new ones see the new certificate; a broken key
+  file is logged and the previous certificate stays in use.
 - In process, with real sockets: the verified client certificate's CN reaches the broker's ``Connection.cert_cn``,
   and a CONNECT sent in the same TCP segment as the client's Finished is not lost.
 """
@@ -15,7 +17,9 @@ listener and a plaintext loopback listener, certificates made by tests/pki.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -30,9 +34,10 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 from bystanders import QoS1Pair
-from helpers import BrokerProcess
+from cryptography.hazmat.primitives import serialization
+from helpers import BrokerProcess, wait_until
 from paho.mqtt.enums import CallbackAPIVersion
-from pki import Issued, make_pki
+from pki import Issued, issue, make_pki
 
 from gateway.auth.tls import TlsSettings, build_server_context
 from gateway.broker.broker import Broker
@@ -328,6 +333,108 @@ def test_hostile_tls_clients_are_closed_with_one_log_line_each_and_bystanders_lo
         assert len(lines) == len(causes), lines  # silent and halfway: one cause, one line; plaintext twice: one
         assert all("(listener 'tls')" in line or "(listener 'mtls')" in line for line in lines), lines
         assert all(line.rstrip().endswith("closed") for line in lines), lines
+    finally:
+        assert proc.stop() == 0, proc.log()
+
+
+# --- SIGHUP: certificate rotation without dropping connections -------------------------------------------------
+
+
+def _connect_packet(client_id: str) -> bytes:
+    """An MQTT 3.1.1 CONNECT, Clean Session, Keep Alive 60 s, with ``client_id``."""
+    cid = client_id.encode()
+    body = b"\x00\x04MQTT\x04\x02\x00\x3c" + len(cid).to_bytes(2, "big") + cid
+    return bytes([0x10, len(body)]) + body
+
+
+def tls_session(port: int, pki: dict[str, Issued], client_id: str) -> tuple[ssl.SSLSocket, bytes]:
+    """A TLS client (the standard ``ssl`` module, verifying against the test CA) that has sent CONNECT and got
+    CONNACK 0: the open socket and the server certificate it was shown (DER)."""
+    ctx = ssl.create_default_context(cafile=str(pki["ca"].cert))
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    tls = ctx.wrap_socket(raw, server_hostname="localhost")
+    tls.sendall(_connect_packet(client_id))
+    assert tls.recv(4) == CONNACK_OK
+    der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return tls, der
+
+
+def _ping(tls: ssl.SSLSocket) -> bytes:
+    """PINGREQ on an established connection: PINGRESP (``b"\\xd0\\x00"``) when it is still served."""
+    tls.sendall(b"\xc0\x00")
+    return tls.recv(2)
+
+
+def _serial(der: bytes) -> int:
+    from cryptography import x509
+
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_sighup_reloads_the_certificate_keeps_connections_and_keeps_the_old_one_on_a_broken_key(
+    pki: dict[str, Issued], tmp_path: Path
+) -> None:
+    """Issue 15, "SIGHUP reloads ... certificates without dropping connections": a client connected with the old
+    certificate stays connected across SIGHUP; after the certificate and key files are replaced and SIGHUP sent, new
+    connections are shown the new certificate (its serial and DER, read by the client with ``ssl``); a broken key
+    file and SIGHUP: the file and the reason are logged, the previous certificate stays in use, and the broker
+    goes on serving (established TLS clients and new ones, and a QoS 1 pair on the plaintext listener)."""
+    live = tmp_path / "live"
+    live.mkdir()
+    certfile, keyfile = live / "server.crt", live / "server.key"
+    shutil.copy(pki["server"].cert, certfile)
+    shutil.copy(pki["server"].key, keyfile)
+    config = f"""
+[store]
+backend = "memory"
+[listeners.plain]
+bind = "127.0.0.1:0"
+[listeners.tls]
+bind = "127.0.0.1:0"
+certfile = "{certfile}"
+keyfile = "{keyfile}"
+"""
+    proc = BrokerProcess(config, workdir=str(tmp_path)).start()
+    assert proc.proc is not None
+    try:
+        port = proc.ports["tls"]
+        pair = QoS1Pair(proc.ports["plain"], "tls-sighup-bystander", count=300, interval=0.01).start()
+        old_client, old_der = tls_session(port, pki, "old-cert")
+        assert _serial(old_der) == pki["server"].obj.serial_number
+
+        # a renewed certificate with a new key, put in place (each file replaced whole), then SIGHUP
+        renewed = issue(tmp_path, "renewed", "localhost", pki["ca"], server=True)
+        assert renewed.obj.serial_number != pki["server"].obj.serial_number
+        for src, dst in ((renewed.cert, certfile), (renewed.key, keyfile)):
+            shutil.copy(src, dst.with_suffix(".new"))
+            os.replace(dst.with_suffix(".new"), dst)
+        mark = len(proc.lines)
+        proc.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: any("reload: listener 'tls': TLS certificate and key reloaded" in line
+                               for line in proc.lines[mark:]), what=proc.log)
+        assert _ping(old_client) == b"\xd0\x00"  # the old connection goes on, on its old session keys
+        new_client, new_der = tls_session(port, pki, "new-cert")
+        assert _serial(new_der) == renewed.obj.serial_number
+        assert new_der == renewed.obj.public_bytes(serialization.Encoding.DER)
+
+        # a broken key file: logged with the file and the reason, the renewed certificate stays in use
+        keyfile.write_text("-----BEGIN PRIVATE KEY-----\nnot base64 at all\n-----END PRIVATE KEY-----\n")
+        mark = len(proc.lines)
+        proc.proc.send_signal(signal.SIGHUP)
+        expected = f"reload: listener 'tls': keyfile = '{keyfile}': not a PEM private key"
+        wait_until(lambda: any(expected in line for line in proc.lines[mark:]), what=proc.log)
+        failed = next(line for line in proc.lines[mark:] if expected in line)
+        assert failed.rstrip().endswith("keeping the previous TLS certificate and key"), failed
+        assert not any("TLS certificate and key reloaded" in line for line in proc.lines[mark:])
+        after_client, after_der = tls_session(port, pki, "after-broken")
+        after_client.close()
+        assert after_der == new_der
+        assert _ping(old_client) == b"\xd0\x00" and _ping(new_client) == b"\xd0\x00"
+        old_client.close()
+        new_client.close()
+        pair.finish()
+        assert proc.proc.poll() is None
     finally:
         assert proc.stop() == 0, proc.log()
 
