@@ -68,6 +68,7 @@ class DeviceState:
     reboots: int = 0
     duplicates: int = 0
     regressions: int = 0
+    last_at: float | None = None  # monotonic seconds of the last reading (the metrics' last reading age)
 
 
 @dataclass(slots=True)
@@ -352,6 +353,7 @@ class Bridge:
                 self._event("gap", r.device, boot=r.boot, from_seq=st.seq + 1, to_seq=r.seq - 1, missing=missing)
         st.boot, st.seq = r.boot, r.seq
         st.readings += 1
+        st.last_at = time.monotonic()
         self._publish_reading(link.cfg, r.device, r.boot, r.seq, r.sensor_time, r.values)
 
     def _on_fix(self, link: SerialLink, fix: Fix) -> None:
@@ -360,6 +362,7 @@ class Bridge:
         seq = 0 if st.seq is None else st.seq + 1
         st.boot, st.seq = self.nmea_boot, seq
         st.readings += 1
+        st.last_at = time.monotonic()
         self._publish_reading(link.cfg, device, self.nmea_boot, seq, fix.sensor_time, fix.values)
 
     def _on_modbus_reading(
@@ -372,6 +375,7 @@ class Bridge:
         seq = 0 if st.seq is None else st.seq + 1
         st.boot, st.seq = self.modbus_boot, seq
         st.readings += 1
+        st.last_at = time.monotonic()
         self._publish_reading(bus.cfg, device, self.modbus_boot, seq, None, values, text)
 
     def _on_modbus_event(self, kind: str, device: str, fields: dict[str, Any]) -> None:
@@ -714,9 +718,22 @@ async def serve(cfg: BridgeConfig, stop: asyncio.Event | None = None) -> None:
     log.info(
         "firmware-bridge starting: gateway %s, broker %s, %d port(s)", cfg.gateway_id, cfg.mqtt.broker, len(cfg.ports)
     )
+    metrics = None
+    if cfg.metrics_bind is not None:  # imported only when configured
+        from firmware_bridge.metrics import BridgeCollector, MetricsServer
+
+        metrics = MetricsServer(cfg.metrics_bind, BridgeCollector(bridge, loop))
+        try:
+            where = metrics.start()
+        except OSError as exc:
+            log.error("cannot listen on %s ([metrics] bind): %s", cfg.metrics_bind, exc.strerror or exc)
+            raise SystemExit(1) from None
+        log.info("metrics: Prometheus /metrics on http://%s/metrics", where)
     try:
         await bridge.run(stop)
     finally:
+        if metrics is not None:
+            metrics.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)

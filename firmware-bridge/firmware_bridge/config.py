@@ -19,6 +19,9 @@
     reconnect_min = "0.2s"            # reconnect backoff (doubles, with jitter, up to reconnect_max)
     reconnect_max = "10s"
 
+    [metrics]                         # Prometheus /metrics (firmware_bridge/metrics.py); off when absent
+    bind = "127.0.0.1:9884"
+
     [[ports]]
     path = "/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"
     baudrate = 115200
@@ -122,6 +125,7 @@ class BridgeConfig:
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     ports: list[PortConfig] = field(default_factory=list)
     source: str = "<defaults>"
+    metrics_bind: str | None = None  # [metrics] bind: "host:port" of the Prometheus endpoint; None = off
 
 
 class _Checker:
@@ -391,6 +395,25 @@ def _modbus_port(c: _Checker, where: str, p: dict[str, Any], port: PortConfig) -
         settings.devices.append(dev)
 
 
+METRICS_BIND_ALLOWED = ('a TCP "host:port" such as "127.0.0.1:9884" or "[::1]:9884" (port 0..65535; 0 = any free '
+                        "port), not a Unix socket path")
+
+
+def _metrics_bind(c: _Checker, table: Any) -> str | None:
+    """``[metrics] bind``: the TCP ``"host:port"`` of the Prometheus endpoint (firmware_bridge/metrics.py), or None
+    (off) when the table or the key is absent."""
+    if table is None:
+        return None
+    t = c.table("metrics", table, {"bind"})
+    if "bind" not in t:
+        return None
+    bind = check_value("metrics", "bind", t["bind"], c.errors, ("address", 0, 65535, METRICS_BIND_ALLOWED))
+    if bind is not None and is_unix_path(bind):
+        c.errors.append(f"metrics.bind = {bind!r}: must be {METRICS_BIND_ALLOWED}")
+        return None
+    return bind
+
+
 def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
     """Validate a parsed TOML document.
 
@@ -400,8 +423,9 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
     c = _Checker()
     cfg = BridgeConfig(source=source)
     for key in data:
-        if key not in ("bridge", "mqtt", "ports"):
-            c.errors.append(f"{key}: unknown table (allowed: bridge, mqtt, ports)")
+        if key not in ("bridge", "mqtt", "ports", "metrics"):
+            c.errors.append(f"{key}: unknown table (allowed: bridge, metrics, mqtt, ports)")
+    cfg.metrics_bind = _metrics_bind(c, data.get("metrics"))
     bridge = c.table("bridge", data.get("bridge", {}), _BRIDGE_KEYS)
     if "gateway_id" in bridge:
         cfg.gateway_id = c.str_("bridge.gateway_id", bridge["gateway_id"], GATEWAY_ID_RE) or cfg.gateway_id
