@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gateway.broker.session import NO_KEYS, partial_for_write
 from gateway.mqtt.reason_codes import ReasonCode as RC
 
 if TYPE_CHECKING:
@@ -151,13 +152,13 @@ def redecide(core: BrokerState, session: Session) -> None:
     """Decide each existing subscription of ``session`` again under ``session.acl`` (after a new connection, a
     restart or a reload). One that is no longer readable at all stays (no SUBACK can take it back) but is checked
     per message, so it receives nothing."""
-    session.partial.clear()
+    session.partial = NO_KEYS
     rules = session.acl
     if rules is None:
         return
     for key, record in session.subscriptions.items():
         if decide(rules, record.topic_filter) != "all":
-            session.partial.add(key)
+            partial_for_write(session).add(key)
 
 
 def may_read(session: Session, key: str, topic: str) -> bool:

@@ -14,7 +14,7 @@ from gateway.broker.qos2 import duplicate, received
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
 from gateway.broker.router import publish
-from gateway.broker.session import CONNECTED, Connection
+from gateway.broker.session import CONNECTED, Connection, aliases_in_for_write
 from gateway.broker.sessions import close
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import MQTTError, ProtocolError
@@ -55,7 +55,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
                     f"{conn.limits.topic_alias_maximum} [MQTT-3.3.2-9]",
                 )
             if topic:
-                conn.aliases_in[alias] = topic
+                aliases_in_for_write(conn)[alias] = topic
             else:
                 known = conn.aliases_in.get(alias)
                 if known is None:

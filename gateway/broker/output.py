@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.broker.message import Message
-from gateway.broker.session import Connection
+from gateway.broker.session import Connection, aliases_out_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5, encode_publish_parts
 from gateway.mqtt.properties import PropertyId as P
@@ -94,7 +94,7 @@ def write_publish(
         return False
     if new_alias:
         # Only a PUBLISH actually sent sets up an alias on the client's side.
-        conn.aliases_out[topic] = new_alias
+        aliases_out_for_write(conn)[topic] = new_alias
     out = conn.out
     if qos:
         out.append(head + pid.to_bytes(2, "big"))

@@ -9,6 +9,7 @@ subscriptions (seeds 000-004).
 from __future__ import annotations
 
 from collections import deque
+from types import MappingProxyType
 from typing import Any
 
 from gateway.broker.limits import ZoneLimits
@@ -20,6 +21,12 @@ from gateway.mqtt.packets import Will
 
 #: Session Expiry Interval meaning "never expires" (MQTT 5.0 §3.1.2.11.2).
 NEVER = 0xFFFFFFFF
+
+#: Shared read-only stand-ins for per-session and per-connection containers that most clients never use (an idle
+#: connection must stay small, issue 20): replaced by a real set/dict on the first write (see the ``*_for_write``
+#: helpers below).
+NO_KEYS: frozenset[str] = frozenset()
+NO_ALIASES: MappingProxyType[Any, Any] = MappingProxyType({})
 
 # Connection states.
 AWAITING_CONNECT = 0
@@ -92,7 +99,7 @@ class Session:
         self.username: str | None = None
         self.listener = ""
         self.acl: Any = None
-        self.partial: set[str] = set()
+        self.partial: set[str] | frozenset[str] = NO_KEYS  # a set once a subscription is decided PARTIAL
 
     @property
     def persistent(self) -> bool:
@@ -210,8 +217,8 @@ class Connection:
         self.window = limits.window(None)
         self.max_packet_size: int | None = None
         self.topic_alias_max = 0
-        self.aliases_in: dict[int, str] = {}
-        self.aliases_out: dict[str, int] = {}
+        self.aliases_in: dict[int, str] | MappingProxyType[int, str] = NO_ALIASES  # a dict once one is set
+        self.aliases_out: dict[str, int] | MappingProxyType[str, int] = NO_ALIASES
         self.inbound_pending = 0
         self.paused = False
         self.paused_at = 0.0
@@ -219,11 +226,11 @@ class Connection:
         self.will: Will | None = None
         self.request_problem_info = True
         self.pending = False
-        self.pending_acks: list[int] = []
+        self.pending_acks: list[int] | tuple[()] = ()
         self.pending_data = b""
         self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
         self.username: str | None = None
-        self.held: list[Any] = []
+        self.held: list[Any] | tuple[()] = ()  # a list while the CONNECT is held (connect.hold)
         self.held_until = 0.0
         self.tokens = max(limits.max_publish_rate, 1.0)  # a full bucket (max_publish_rate, inbound.py)
         self.tokens_at = now
@@ -233,3 +240,27 @@ class Connection:
 
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"
+
+
+def partial_for_write(session: Session) -> set[str]:
+    """``session.partial`` as a set that may be changed (made on first use)."""
+    partial = session.partial
+    if type(partial) is frozenset:
+        partial = session.partial = set()
+    return partial  # type: ignore[return-value]
+
+
+def aliases_in_for_write(conn: Connection) -> dict[int, str]:
+    """``conn.aliases_in`` as a dict that may be changed (made on first use)."""
+    aliases = conn.aliases_in
+    if type(aliases) is not dict:
+        aliases = conn.aliases_in = {}
+    return aliases
+
+
+def aliases_out_for_write(conn: Connection) -> dict[str, int]:
+    """``conn.aliases_out`` as a dict that may be changed (made on first use)."""
+    aliases = conn.aliases_out
+    if type(aliases) is not dict:
+        aliases = conn.aliases_out = {}
+    return aliases

@@ -11,7 +11,7 @@ from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import suback_failure
 from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import CONNECTED, Connection
+from gateway.broker.session import CONNECTED, Connection, partial_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, Unsuback, Unsubscribe
@@ -91,9 +91,10 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         existed = core.tree.add(record)
         session.subscriptions[record.key] = record
         if readable == "all":
-            session.partial.discard(record.key)
+            if record.key in session.partial:
+                partial_for_write(session).discard(record.key)
         else:
-            session.partial.add(record.key)
+            partial_for_write(session).add(record.key)
         if session.persistent:
             core.store.subscription_saved(session.client_id, record)
         codes.append(sub.qos)
@@ -123,7 +124,8 @@ def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: flo
     codes: list[int] = []
     for topic_filter in p.topic_filters:
         record = session.subscriptions.pop(topic_filter, None)
-        session.partial.discard(topic_filter)
+        if topic_filter in session.partial:
+            partial_for_write(session).discard(topic_filter)
         if record is None:
             codes.append(RC.NO_SUBSCRIPTION_EXISTED)
             continue
