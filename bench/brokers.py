@@ -9,6 +9,11 @@ large RLIMIT_NOFILE with ``prlimit``.
   ``max_inflight = 32``, ``max_mqueue_len = 1000000``, ``message_expiry_interval = 0``; its event loop is the
   default ("auto": uvloop when installed).
 - ``amqtt``: bench/amqtt_broker.py in bench/.venv-amqtt.
+
+Variants (``Security`` given to :class:`Broker`), the same for Mosquitto and edge-gateway: ``tls``: the listener
+speaks TLS with one server certificate and key made at bench time (:func:`make_pki`; Mosquitto ``certfile`` /
+``keyfile``, edge-gateway the same keys); ``acl``: ``allow_anonymous false``, a password file with the bench's user and
+an ACL file of :data:`ACL_RULES` rules (:func:`write_auth_files`; both brokers read the same two files).
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from loadgen import BROKER_CPU, HOST, Target, TargetError, check_target
@@ -35,6 +43,113 @@ MAX_INFLIGHT = 32
 MAX_QUEUED = 1_000_000
 _EGW_LISTEN = re.compile(r"listening on 127\.0\.0\.1:(\d+) \(listener")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: rules (topic and pattern lines) in the ACL file of the ``acl`` variant
+ACL_RULES = 1000
+BENCH_PASSWORD = "bench-secret"
+
+
+@dataclass(frozen=True)
+class Security:
+    """A broker variant: TLS files (``certfile``, ``keyfile``, ``cafile`` the clients verify with) and/or the
+    password and ACL files; ``None`` fields are off."""
+
+    certfile: Path | None = None
+    keyfile: Path | None = None
+    cafile: Path | None = None
+    password_file: Path | None = None
+    acl_file: Path | None = None
+
+
+def _give_to_mosquitto(*paths: Path) -> None:
+    """Mosquitto, started as root, drops to its own user before it reads its certificate and files."""
+    if os.geteuid() != 0:
+        return
+    for path in paths:
+        try:
+            shutil.chown(path, "mosquitto", "mosquitto")
+        except (LookupError, OSError):
+            pass
+
+
+def make_pki(directory: Path) -> Security:
+    """A CA and a server certificate for ``localhost`` / 127.0.0.1 (P-256, 30 days) with its key, made with
+    ``cryptography`` in ``directory``: what both brokers' TLS listeners use in the ``tls`` variant."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o755)
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
+              ca: bool) -> x509.Certificate:
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            b = b.add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), True)
+        else:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(HOST))]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = build("edge-gateway bench CA", ca_key, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                                             "edge-gateway bench CA")]), ca_key, True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = build("localhost", key, ca.subject, ca_key, False)
+    paths = Security(directory / "server.crt", directory / "server.key", directory / "ca.crt")
+    assert paths.certfile and paths.keyfile and paths.cafile
+    paths.cafile.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths.certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths.keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                serialization.NoEncryption()))
+    paths.keyfile.chmod(0o600)
+    _give_to_mosquitto(paths.certfile, paths.keyfile, paths.cafile)
+    return paths
+
+
+def acl_text(user: str = "bench", rules: int = ACL_RULES) -> str:
+    """An ACL file of ``rules`` rules in Mosquitto's format, shaped like a plant's: 10 ``pattern`` lines (every
+    client), the bench user's 30 rules (site topics, a ``deny`` and, last, the grant of ``bench/#`` it publishes and
+    subscribes under: the worst place for a broker that scans rules in order), and 96 other users with 10 each."""
+    lines = [f"pattern readwrite devices/%u/line{i}/#" for i in range(10)]
+    lines += [f"user {user}", *(f"topic read site/area{i}/+/status" for i in range(28)),
+              "topic deny bench/secret/#", "topic readwrite bench/#"]
+    others = (rules - 40) // 10
+    for u in range(others):
+        lines.append(f"user sensor-{u:03d}")
+        lines += [f"topic write sensors/sensor-{u:03d}/m{j}" for j in range(9)]
+        lines.append(f"topic read cmd/sensor-{u:03d}/#")
+    text = "\n".join(lines) + "\n"
+    assert sum(1 for ln in lines if ln.startswith(("topic ", "pattern "))) == rules
+    return text
+
+
+def write_auth_files(directory: Path) -> Security:
+    """The ``acl`` variant's password file (user ``bench``, :data:`BENCH_PASSWORD`, ``$7$`` as mosquitto_passwd
+    2.0 writes) and ACL file (:func:`acl_text`), in ``directory``."""
+    sys.path.insert(0, str(ROOT))
+    from gateway.auth.passwd import PasswordFile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o755)
+    files = Security(password_file=directory / "passwd", acl_file=directory / "acl")
+    assert files.password_file and files.acl_file
+    passwords = PasswordFile(str(files.password_file))
+    passwords.set("bench", BENCH_PASSWORD)
+    passwords.save()
+    files.acl_file.write_text(acl_text())
+    files.password_file.chmod(0o600)
+    files.acl_file.chmod(0o600)
+    _give_to_mosquitto(files.password_file, files.acl_file)
+    return files
 
 
 class BrokerError(RuntimeError):
@@ -118,10 +233,12 @@ def versions() -> dict[str, str]:
 class Broker:
     """One broker process in its own work directory (store / persistence files, config, log)."""
 
-    def __init__(self, kind: str, workdir: Path, persistence: bool = False, nofile: int = 20000) -> None:
+    def __init__(self, kind: str, workdir: Path, persistence: bool = False, nofile: int = 20000,
+                 security: Security | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(kind)
         self.kind = kind
+        self.security = security or Security()
         self.workdir = workdir
         self.persistence = persistence
         self.nofile = nofile
@@ -133,11 +250,18 @@ class Broker:
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def _command(self, port: int) -> list[str]:
+        sec = self.security
         if self.kind == "mosquitto":
             conf = self.workdir / "mosquitto.conf"
+            extra = ""
+            if sec.certfile:
+                extra += f"certfile {sec.certfile}\nkeyfile {sec.keyfile}\n"
+            if sec.password_file:
+                extra += f"password_file {sec.password_file}\nacl_file {sec.acl_file}\n"
             conf.write_text(
                 f"listener {port} {HOST}\n"
-                "allow_anonymous true\n"
+                + extra
+                + f"allow_anonymous {'false' if sec.password_file else 'true'}\n"
                 f"persistence {'true' if self.persistence else 'false'}\n"
                 f"persistence_location {self.workdir}/\n"
                 f"max_inflight_messages {MAX_INFLIGHT}\n"
@@ -163,6 +287,9 @@ class Broker:
                 f"max_inflight = {MAX_INFLIGHT}\n"
                 f"max_mqueue_len = {MAX_QUEUED}\n"
                 "message_expiry_interval = 0\n"
+                + (f'certfile = "{sec.certfile}"\nkeyfile = "{sec.keyfile}"\n' if sec.certfile else "")
+                + (f'allow_anonymous = false\npassword_file = "{sec.password_file}"\nacl_file = "{sec.acl_file}"\n'
+                   if sec.password_file else "")
             )
             # info only for the lines the harness reads (bound port, ready, store commits); nothing per message
             return [sys.executable, "-m", "gateway", "serve", "--config", str(conf), "--log-level", "info"]
@@ -202,7 +329,9 @@ class Broker:
                 else:
                     time.sleep(0.05)
                     continue
-            target = Target(port, self.proc.pid, os.getpid(), self.kind)
+            target = Target(port, self.proc.pid, os.getpid(), self.kind,
+                            cafile=str(self.security.cafile) if self.security.certfile else None,
+                            password=BENCH_PASSWORD if self.security.password_file else None)
             try:
                 check_target(target)
             except TargetError:
@@ -281,3 +410,61 @@ class Broker:
         """edge-gateway only: the commit count it logs when it stops."""
         m = re.findall(r"store closed: (\d+) commits", self.log_path.read_text(errors="replace"))
         return int(m[-1]) if m else None
+
+
+#: The edge-gateway variant with Prometheus metrics on and scraped (issue 18): ``--brokers edge-gateway+metrics``.
+METRICS_KIND = "edge-gateway+metrics"
+_EGW_METRICS = re.compile(r"metrics: Prometheus /metrics on http://127\.0\.0\.1:(\d+)/metrics")
+
+
+class MetricsGateway(Broker):
+    """edge-gateway as :class:`Broker` runs it, plus ``[metrics] bind = "127.0.0.1:0"`` (the port read back from its
+    log) and a thread in the harness that GETs ``/metrics`` every ``interval`` seconds while the broker runs, as a
+    Prometheus would (at 1 s, 15x its default rate): what metrics cost the broker shows against plain edge-gateway.
+
+    Attributes:
+        scrapes / scrape_errors: completed and failed scrapes; samples: lines in the last scrape.
+    """
+
+    def __init__(self, workdir: Path, persistence: bool = False, nofile: int = 20000, interval: float = 1.0) -> None:
+        super().__init__("edge-gateway", workdir, persistence, nofile)
+        self.interval = interval
+        self.scrapes = 0
+        self.scrape_errors = 0
+        self.samples = 0
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _command(self, port: int) -> list[str]:
+        cmd = super()._command(port)
+        conf = self.workdir / "gateway.toml"
+        conf.write_text(conf.read_text() + '[metrics]\nbind = "127.0.0.1:0"\n')
+        return cmd
+
+    def start(self, timeout: float = 30.0) -> Target:
+        target = super().start(timeout)
+        ports = _EGW_METRICS.findall(self.log_path.read_text(errors="replace"))
+        if not ports:
+            self.kill()
+            raise BrokerError(f"edge-gateway did not log its metrics port:\n{self.log_tail()}")
+        url = f"http://127.0.0.1:{ports[-1]}/metrics"
+        self._halt.clear()
+        self._thread = threading.Thread(target=self._scrape_loop, args=(url,), daemon=True, name="scraper")
+        self._thread.start()
+        return target
+
+    def _scrape_loop(self, url: str) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    self.samples = response.read().count(b"\n")
+                self.scrapes += 1
+            except OSError:
+                self.scrape_errors += 1
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(15)
+            self._thread = None
+        return super().stop(timeout)

@@ -29,6 +29,7 @@ import os
 import queue
 import selectors
 import socket
+import ssl
 import struct
 import sys
 import time
@@ -97,6 +98,8 @@ class Target:
     pid: int
     owner: int
     name: str = "broker"
+    cafile: str | None = None  # TLS: connect with TLS, verifying the broker's certificate (for "localhost") with it
+    password: str | None = None  # sent with USERNAME in every CONNECT (a broker with a password file)
 
 
 def parent_pid(pid: int) -> int:
@@ -213,17 +216,37 @@ class Template:
 # blocking MQTT helpers
 
 
+#: what a read that timed out raises: BlockingIOError (SO_RCVTIMEO), TimeoutError (a TLS socket's timeout)
+WOULD_BLOCK = (BlockingIOError, TimeoutError)
+
+
 def _recv_timeout(sock: socket.socket, seconds: float) -> None:
     """Blocking socket whose recv gives up after ``seconds`` (BlockingIOError): one syscall per read instead
-    of poll + recv."""
+    of poll + recv. A TLS socket gets a Python timeout instead (TimeoutError): its read would retry through
+    SO_RCVTIMEO's EAGAIN and never return."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     sec = int(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((seconds - sec) * 1e6)))
 
 
+_TLS_CONTEXTS: dict[str, ssl.SSLContext] = {}
+
+
 def _socket(target: Target, timeout: float = 10.0) -> socket.socket:
     sock = socket.create_connection((HOST, target.port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if target.cafile:
+        ctx = _TLS_CONTEXTS.get(target.cafile)
+        if ctx is None:
+            ctx = _TLS_CONTEXTS[target.cafile] = ssl.create_default_context(cafile=target.cafile)
+        try:
+            sock = ctx.wrap_socket(sock, server_hostname="localhost")
+        except BaseException:
+            sock.close()
+            raise
     return sock
 
 
@@ -233,7 +256,9 @@ def mqtt_connect(target: Target, client_id: str, clean: bool = True, keep_alive:
     the CONNACK, and Session Present."""
     sock = _socket(target, timeout)
     try:
-        sock.sendall(Connect(client_id, VERSION, clean, keep_alive, username=USERNAME).encode(VERSION))
+        password = target.password.encode() if target.password is not None else None
+        sock.sendall(Connect(client_id, VERSION, clean, keep_alive, username=USERNAME, password=password)
+                     .encode(VERSION))
         reader = PacketReader(version=VERSION)
         pending: list[Any] = []
         while not pending:
@@ -396,6 +421,7 @@ def _process(st: _SubState, packets: Any, now_ns: int, latency: bool) -> bytes:
 def _receive_one(st: _SubState, ctl: Control, latency: bool, idle: float) -> None:
     """One subscriber: blocking reads with a short timeout (one syscall per read)."""
     sock = st.sock
+    tls = isinstance(sock, ssl.SSLSocket)
     _recv_timeout(sock, 0.05)
     last_data = time.monotonic()
     while True:
@@ -409,7 +435,7 @@ def _receive_one(st: _SubState, ctl: Control, latency: bool, idle: float) -> Non
             break
         try:
             data = sock.recv(1 << 20)
-        except BlockingIOError:
+        except WOULD_BLOCK:
             continue
         except OSError:
             data = b""
@@ -420,7 +446,7 @@ def _receive_one(st: _SubState, ctl: Control, latency: bool, idle: float) -> Non
         acks = _process(st, st.reader.feed(data), time.time_ns(), latency)
         if acks:
             sock.sendall(acks)
-        elif len(data) < COALESCE_BELOW:
+        elif len(data) < COALESCE_BELOW and not tls:  # a TLS read returns one record (<= 16 KiB) at most
             time.sleep(COALESCE_SLEEP)
 
 
@@ -598,7 +624,7 @@ def run_publisher_qos1(target: Target, pub: int, topic: str, count: int, ctl: Co
                 break
             try:
                 data = sock.recv(1 << 16)
-            except BlockingIOError:
+            except WOULD_BLOCK:
                 continue
             if not data:
                 error = "connection closed by the broker"
@@ -619,7 +645,8 @@ def run_publisher_qos1(target: Target, pub: int, topic: str, count: int, ctl: Co
         error = f"{type(exc).__name__}: {exc}"
     t1 = time.time_ns()
     if error is None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        if not isinstance(sock, ssl.SSLSocket):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
         close_gracefully(sock, 5.0)
     else:
         sock.close()

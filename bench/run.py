@@ -22,6 +22,12 @@ Scenarios (64-byte payloads, MQTT 3.1.1):
   retained 10 000 retained topics, then 100 clients connect at once and subscribe to #: retained deliveries/s
   kill     durable QoS 1, SIGKILL mid-run: acknowledged messages lost after restart (Mosquitto: persistence true,
            default autosave_interval)
+  fanin_tls, qos1_tls   fanin and qos1 over TLS: both brokers' listeners with the same server certificate and key,
+           made at bench time (P-256, TLS 1.3 with the ssl module's defaults); the clients verify it
+  fanin_acl             fanin with allow_anonymous false, a password file and an ACL file of 1,000 rules (the same
+           files for both brokers; the bench user's grant is its last rule); compare with fanin (issue 15: within 10%)
+--brokers mosquitto,edge-gateway,edge-gateway+metrics runs edge-gateway a second time with Prometheus metrics on,
+scraped every second (issue 18: within 3% of edge-gateway).
 Broker CPU per message comes from /proc/PID/stat (utime + stime) before/after.
 """
 
@@ -45,7 +51,20 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from brokers import CLK_TCK, KINDS, MAX_INFLIGHT, MAX_QUEUED, Broker, BrokerError, versions  # noqa: E402
+import brokers as bench_brokers  # noqa: E402 (issue 18: the metrics variant)
+from brokers import (  # noqa: E402
+    ACL_RULES,
+    CLK_TCK,
+    KINDS,
+    MAX_INFLIGHT,
+    MAX_QUEUED,
+    Broker,
+    BrokerError,
+    Security,
+    make_pki,
+    versions,
+    write_auth_files,
+)
 from loadgen import (  # noqa: E402
     BROKER_CPU,
     LOADGEN_CPU,
@@ -146,6 +165,31 @@ METRICS = [
     Metric("kill.acked", "durable QoS 1, SIGKILL mid-run", "messages acked before kill", "count", ""),
     Metric("kill.lost", "durable QoS 1, SIGKILL mid-run", "acked messages lost", "count", ""),
 ]
+
+#: scenarios run on a secured broker: name -> (the scenario it repeats, the Security variant, table label)
+VARIANTS = {
+    "fanin_tls": ("fanin", "tls", "fan-in QoS 0 over TLS"),
+    "fanin_acl": ("fanin", "acl", f"fan-in QoS 0 with an acl_file of {ACL_RULES:,} rules"),
+    "qos1_tls": ("qos1", "tls", "QoS 1 end to end over TLS"),
+}
+
+
+def _variant_metrics() -> list[Metric]:
+    """METRICS with each variant's rows right after its base scenario's (the loadgen's plaintext ceiling is no
+    bound for a TLS row, so those have none)."""
+    out: list[Metric] = []
+    for m in METRICS:
+        out.append(m)
+    for name, (base, kind, label) in VARIANTS.items():
+        rows = [Metric(f"{name}.{m.key.split('.', 1)[1]}", label, m.label, m.fmt, m.better,
+                       None if kind == "tls" else m.ceiling) for m in METRICS if m.key.split(".")[0] == base]
+        last = max(i for i, m in enumerate(out) if m.key.split(".")[0] in (base, *[
+            v for v, (b, _, _) in VARIANTS.items() if b == base]))
+        out[last + 1:last + 1] = rows
+    return out
+
+
+METRICS = _variant_metrics()
 
 
 def _lost(acked: bytes, delivered: bytes) -> int:
@@ -502,7 +546,10 @@ def scenario_kill(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
 SCENARIOS: dict[str, tuple[Callable[[Broker, Params, float, dict[str, Any]], dict[str, float]], bool, float]] = {
     # name: (function, broker persistence, budget in seconds)
     "fanin": (scenario_fanin, False, 60.0),
+    "fanin_tls": (scenario_fanin, False, 60.0),
+    "fanin_acl": (scenario_fanin, False, 60.0),
     "qos1": (scenario_qos1, False, 40.0),
+    "qos1_tls": (scenario_qos1, False, 40.0),
     "qos2": (scenario_qos2, False, 40.0),
     "fanout": (scenario_fanout, False, 60.0),
     "idle": (scenario_idle, False, 90.0),
@@ -648,13 +695,33 @@ def gateway_code_hash() -> str:
     return h.hexdigest()[:8]
 
 
-def run_cell(kind: str, scenario: str, p: Params, tmp: Path, run: int) -> tuple[dict[str, float], dict[str, Any]]:
+def run_cell(kind: str, scenario: str, p: Params, tmp: Path, run: int,
+             security: dict[str, Security] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
     fn, persistence, budget = SCENARIOS[scenario]
     if kind == "amqtt":
         budget = min(budget, p.amqtt_cap)
     info: dict[str, Any] = {}
-    b = Broker(kind, tmp / f"{scenario}-{kind}-{run}", persistence=persistence, nofile=p.idle_conns + 5000)
-    if kind == "edge-gateway":
+    variant = VARIANTS.get(scenario)
+    if variant is not None:
+        if kind == "amqtt":
+            raise NotApplicable("not measured (the TLS and ACL rows compare edge-gateway with Mosquitto)")
+        if security is None or variant[1] not in security:
+            raise NotApplicable(f"no {variant[1]} files")
+        inner = fn
+
+        def fn(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
+            # the base scenario's keys ("fanin.rate") renamed to this row's ("fanin_tls.rate")
+            res = inner(b, p, budget, info)
+            info["bound"] = {f"{scenario}.{k.split('.', 1)[1]}": v for k, v in info.get("bound", {}).items()}
+            return {f"{scenario}.{k.split('.', 1)[1]}": v for k, v in res.items()}
+
+    if kind == bench_brokers.METRICS_KIND:  # issue 18: edge-gateway with /metrics on, scraped every second
+        b: Broker = bench_brokers.MetricsGateway(tmp / f"{scenario}-{kind}-{run}", persistence=persistence,
+                                   nofile=p.idle_conns + 5000)
+    else:
+        b = Broker(kind, tmp / f"{scenario}-{kind}-{run}", persistence=persistence, nofile=p.idle_conns + 5000,
+                   security=security[variant[1]] if variant is not None and security is not None else None)
+    if kind.startswith("edge-gateway"):
         info["code"] = gateway_code_hash()
     try:
         if scenario == "kill" and kind == "amqtt":
@@ -672,6 +739,9 @@ def run_cell(kind: str, scenario: str, p: Params, tmp: Path, run: int) -> tuple[
     finally:
         code = b.stop()
         info["exit_code"] = code
+        if isinstance(b, bench_brokers.MetricsGateway):
+            info["checks"] = {**info.get("checks", {}), "scrapes": b.scrapes, "scrape_errors": b.scrape_errors,
+                              "scraped_lines": b.samples}
         info["warnings"] = b.warnings()
         b.cleanup()
 
@@ -681,7 +751,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, help="runs per cell (default 3; --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="one short run of everything")
     ap.add_argument("--only", help=f"comma-separated scenarios ({','.join(SCENARIOS)})")
-    ap.add_argument("--brokers", default=",".join(KINDS), help="comma-separated brokers")
+    ap.add_argument("--brokers", default=",".join(KINDS),
+                    help="comma-separated brokers; edge-gateway+metrics: edge-gateway with Prometheus metrics on, "
+                    "scraped every second (issue 18)")
     ap.add_argument("--no-selfcheck", action="store_true", help="skip the load generator's ceiling")
     ap.add_argument("--out", default=str(RESULTS / "latest.md"))
     args = ap.parse_args()
@@ -689,7 +761,7 @@ def main() -> int:
     if args.runs:
         p.runs = args.runs
     scenarios = args.only.split(",") if args.only else list(SCENARIOS)
-    brokers = [k for k in KINDS if k in args.brokers.split(",")]
+    brokers = [k for k in (*KINDS, bench_brokers.METRICS_KIND) if k in args.brokers.split(",")]
     for s in scenarios:
         if s not in SCENARIOS:
             ap.error(f"unknown scenario {s!r}")
@@ -731,6 +803,9 @@ def main() -> int:
     checks: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="bench-"))
     tmp.chmod(0o755)  # Mosquitto, started as root, drops to its own user and must reach its work directory
+    security: dict[str, Security] = {}
+    if any(s in VARIANTS for s in scenarios):  # one certificate and one set of files for every broker and run
+        security = {"tls": make_pki(tmp / "pki"), "acl": write_auth_files(tmp / "auth")}
     try:
         for run in range(p.runs):
             for scenario in scenarios:
@@ -739,7 +814,7 @@ def main() -> int:
                         continue  # amqtt failed or ran out of time once: do not spend more time on it
                     t0 = time.monotonic()
                     try:
-                        res, info = run_cell(kind, scenario, p, tmp, run)
+                        res, info = run_cell(kind, scenario, p, tmp, run, security)
                     except NotApplicable as exc:
                         notes[(kind, scenario)] = f"{kind}, {scenario}: {exc}"
                         print(f"# run {run + 1} {scenario:<8} {kind:<13} n/a: {exc}", file=sys.stderr)
@@ -770,7 +845,7 @@ def main() -> int:
                           f"{info.get('checks', '')}", file=sys.stderr)
                     checks.append(f"run {run + 1} {scenario} {kind}: {shown}; {lg}; {info.get('checks', '')}"
                                   + (f"; broker log: {info['warnings']}" if info.get("warnings") else ""))
-                    if kind == "edge-gateway":
+                    if kind.startswith("edge-gateway"):
                         bad = {k: v for k, v in res.items() if k.endswith((".lost", ".ooo")) and v}
                         extra = {k: v for k, v in info.get("checks", {}).items()
                                  if k in ("dups", "out_of_order", "bad") and v}
@@ -787,6 +862,13 @@ def main() -> int:
     if len(code_versions) > 1:
         foot.append(f"edge-gateway's code (gateway/*.py) changed during this run: {len(code_versions)} versions, "
                     + "; ".join(f"{h}: {', '.join(cells)}" for h, cells in code_versions.items()))
+    for base, name, what in (("fanin", "fanin_tls", "over TLS"), ("qos1", "qos1_tls", "over TLS"),
+                             ("fanin", "fanin_acl", f"with an acl_file of {ACL_RULES:,} rules")):
+        for k in brokers:
+            a, b = results.get(k, {}).get(f"{base}.rate"), results.get(k, {}).get(f"{name}.rate")
+            if a and b:
+                foot.append(f"{k}: {base} {what} / {base} = {statistics.median(b) / statistics.median(a):.2f} "
+                            f"(medians, same run)")
     if noisy:
         foot.append(f"other processes used more than {FOREIGN_LIMIT:.0%} of the broker's core during "
                     f"{len(noisy)} run(s) (the machine was shared): {'; '.join(noisy)}")
