@@ -21,6 +21,7 @@ from gateway.broker.limits import ZoneLimits
 from gateway.broker.store import MemoryStore, SessionStore
 from gateway.server.access import reload_access
 from gateway.server.config import GatewayConfig
+from gateway.server.load_progress import LoadReporter
 from gateway.server.notify import SystemdNotify, install_debug_hang
 from gateway.server.protocol import BrokerIO, MQTTProtocol
 from gateway.server.tls_accept import TlsListener
@@ -109,7 +110,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         if not lc.auth.allow_anonymous and lc.auth.passwords is None and not lc.auth.use_identity_as_username:
             log.warning("listener %r: allow_anonymous is false and there is no password_file: no client can connect",
                         lc.name)
-    broker = Broker(config.broker, store, now=time.time())
+    loading = LoadReporter()  # log lines and STATUS= while a large store loads (gateway/server/load_progress.py)
+    if lmdb_store is not None:
+        lmdb_store.on_load_progress = loading
+    try:
+        broker = Broker(config.broker, store, now=time.time())
+    finally:
+        loading.done()
     io = BrokerIO(broker, loop)
     if lmdb_store is not None:
         lmdb_store.attach(loop, io.schedule_flush)

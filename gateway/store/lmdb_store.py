@@ -73,6 +73,7 @@ from gateway.store import records as rec
 from gateway.store.loading import (
     Expired,
     Loading,
+    LoadProgress,
     load_inbound,
     load_orphan_messages,
     load_outbox,
@@ -147,6 +148,9 @@ class LmdbStore(LmdbWriter):
         #: before that commit's ``when_durable`` callbacks run: the broker closes their connections so that
         #: nothing of theirs is acknowledged (``Broker.store_change_failed``).
         self.on_change_failed: Callable[[set[str]], None] | None = None
+        #: Called while :meth:`load` reads the store back, with how far it is (rows and bytes per table; see
+        #: :class:`~gateway.store.loading.LoadProgress`): the runner logs it and tells systemd, the tools draw a bar.
+        self.on_load_progress: Callable[[LoadProgress], None] | None = None
         self._long_names: dict[bytes, str] = {}  # hashed key part -> the client id it stands for
         self._hashed_keys = True  # False while reading a format 1/2 store as it is (tools)
         self._submit_scheduled = False
@@ -242,6 +246,8 @@ class LmdbStore(LmdbWriter):
         with self.env.begin() as txn:
             # Every restored session is offline until it reconnects: it keeps at most OFFLINE_MEM_LEN in memory.
             ld = Loading(txn, tables, now, min(mem_len, OFFLINE_MEM_LEN) if mem_len else 0, mem_len)
+            ld.on_progress = self.on_load_progress
+            ld.start()
             next_mid = txn.get(b"next_mid", db=tables.meta)
             next_seq = txn.get(b"next_seq", db=tables.meta)
             load_sessions(ld, self._hashed_keys, self.limits_for, self._new_pager, self._long_names)
@@ -251,6 +257,7 @@ class LmdbStore(LmdbWriter):
             load_retained(ld)
             self._outbox_loaded = load_outbox(ld)
             top = load_orphan_messages(ld)
+            ld.finish()
         self._refs = {mid: count for mid, count in ld.refs.items() if count > 1}
         self._seq = int(next_seq) if next_seq is not None else 1
         self.committed_seq = self._seq - 1

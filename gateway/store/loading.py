@@ -7,11 +7,15 @@ subscriptions, queue, inbound, retained and outbox rows, each counting the messa
 message rows nothing references (orphans). What expired, or belongs to nothing, is collected in
 :class:`Expired` and removed afterwards by :func:`remove_expired` (one write transaction), unless the store is
 only looked at (``store stats|inspect``).
+
+Progress: every table is read through :meth:`Loading.rows`, which counts rows and bytes in a :class:`LoadProgress`
+and calls ``Loading.on_progress`` with it every :data:`PROGRESS_EVERY` rows and at the end of each table. The
+callback belongs to the I/O side (it reads the clock, logs, tells systemd, draws a bar): this module never does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +28,48 @@ from gateway.broker.session import Session
 from gateway.broker.store import LoadedState, OutboxRecord
 from gateway.store import records as rec
 from gateway.store.tables import Tables
+
+#: Rows read between two calls of ``Loading.on_progress``.
+PROGRESS_EVERY = 1024
+#: The tables in the order they are read (``LoadProgress.table``).
+TABLE_ORDER = ("sessions", "subs", "queue", "inbound", "retained", "outbox", "messages")
+
+
+@dataclass(slots=True)
+class LoadProgress:
+    """How far a load has come: rows and bytes read so far, per table, against each table's entry count.
+
+    Attributes:
+        totals: rows in each table (LMDB's entry count at the start), by table name (:data:`TABLE_ORDER`).
+        read: rows read so far, by table name.
+        bytes_read: bytes of keys and values read so far, all tables.
+        table: the table being read ("" before the first, "done" after the last).
+    """
+
+    totals: dict[str, int] = field(default_factory=dict)
+    read: dict[str, int] = field(default_factory=dict)
+    bytes_read: int = 0
+    table: str = ""
+
+    @property
+    def rows_total(self) -> int:
+        """Rows in all tables."""
+        return sum(self.totals.values())
+
+    @property
+    def rows_read(self) -> int:
+        """Rows read so far, all tables."""
+        return sum(self.read.values())
+
+    @property
+    def sessions(self) -> tuple[int, int]:
+        """``(read, total)`` session rows (live and expired)."""
+        return self.read.get("sessions", 0), self.totals.get("sessions", 0)
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        """``(read, total)`` queue rows (queued and in-flight messages)."""
+        return self.read.get("queue", 0), self.totals.get("queue", 0)
 
 
 @dataclass(slots=True)
@@ -70,6 +116,9 @@ class Loading:
         by_part: live sessions by their key (the key part of their other rows).
         refs: references found to each message row, by mid (queue rows carrying their message count none).
         expired: what to remove afterwards.
+        progress: rows and bytes read so far (:meth:`rows` counts them).
+        on_progress: called with ``progress`` every :data:`PROGRESS_EVERY` rows and after each table (and once
+            when the totals are known, :meth:`start`); None: nobody watches.
     """
 
     txn: Any
@@ -82,7 +131,46 @@ class Loading:
     by_part: dict[bytes, Session] = field(default_factory=dict)
     refs: dict[int, int] = field(default_factory=dict)
     expired: Expired = field(default_factory=Expired)
+    progress: LoadProgress = field(default_factory=LoadProgress)
+    on_progress: Callable[[LoadProgress], None] | None = None
     _cache: dict[int, Message | None] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Count each table's rows (LMDB keeps the count: no scan) and report the starting point."""
+        tables = self.tables
+        for name in TABLE_ORDER:
+            self.progress.totals[name] = self.txn.stat(getattr(tables, name))["entries"]
+            self.progress.read[name] = 0
+        if self.on_progress is not None:
+            self.on_progress(self.progress)
+
+    def rows(self, name: str) -> Iterator[tuple[bytes, bytes]]:
+        """Every ``(key, value)`` of the table ``name`` (:data:`TABLE_ORDER`) in key order, counted in
+        ``progress`` (rows, and bytes of keys and values), reported to ``on_progress`` as it goes."""
+        progress, report = self.progress, self.on_progress
+        progress.table = name
+        read = progress.read.get(name, 0)
+        size = 0
+        for key, value in self.txn.cursor(db=getattr(self.tables, name)):
+            yield key, value
+            read += 1
+            size += len(key) + len(value)
+            if read % PROGRESS_EVERY == 0:
+                progress.read[name] = read
+                progress.bytes_read += size
+                size = 0
+                if report is not None:
+                    report(progress)
+        progress.read[name] = read
+        progress.bytes_read += size
+        if report is not None:
+            report(progress)
+
+    def finish(self) -> None:
+        """Every table is read: mark the progress done and report it."""
+        self.progress.table = "done"
+        if self.on_progress is not None:
+            self.on_progress(self.progress)
 
     def message(self, mid: int) -> Message | None:
         """The message row ``mid`` decoded (once), or None when it is missing."""
@@ -107,7 +195,7 @@ def load_sessions(ld: Loading, hashed_keys: bool, limits_for: Callable[[], ZoneL
     """Sessions: live ones into ``ld.sessions`` and ``ld.by_part`` (their Message Queue paging through
     ``pager_for(client id)``), expired ones into ``ld.expired``. ``hashed_keys``: the store is of format 3 (keys
     may hold hashed names, whose client ids are remembered in ``long_names``)."""
-    for key, value in ld.txn.cursor(db=ld.tables.sessions):
+    for key, value in ld.rows("sessions"):
         key = bytes(key)
         cid, data = rec.session_id(key, bytes(value), hashed_keys)
         session = Session(cid, limits_for())
@@ -125,7 +213,7 @@ def load_sessions(ld: Loading, hashed_keys: bool, limits_for: Callable[[], ZoneL
 
 def load_subscriptions(ld: Loading) -> None:
     """Subscriptions into their sessions; those of sessions not loaded are left (removed with their session)."""
-    for key, value in ld.txn.cursor(db=ld.tables.subs):
+    for key, value in ld.rows("subs"):
         part, rest = rec.split_key(bytes(key))
         session = ld.by_part.get(part)
         if session is not None:
@@ -140,7 +228,7 @@ def load_queue(ld: Loading) -> None:
     session, expired, or whose message is missing go to ``ld.expired``."""
     txn, messages, now, mem_len = ld.txn, ld.tables.messages, ld.now, ld.mem_len
     expired = ld.expired.queue
-    for key, value in txn.cursor(db=ld.tables.queue):
+    for key, value in ld.rows("queue"):
         part, rest = rec.split_key(bytes(key))
         session = ld.by_part.get(part)
         if session is None:
@@ -178,7 +266,7 @@ def load_queue(ld: Loading) -> None:
 def load_inbound(ld: Loading) -> None:
     """Inbound QoS 2 rows (awaiting PUBREL) into their sessions; rows of no live session or whose message is
     missing go to ``ld.expired``."""
-    for key, value in ld.txn.cursor(db=ld.tables.inbound):
+    for key, value in ld.rows("inbound"):
         part, rest = rec.split_key(bytes(key))
         session = ld.by_part.get(part)
         mid, received_at = rec.decode_inbound(bytes(value))
@@ -192,7 +280,7 @@ def load_inbound(ld: Loading) -> None:
 
 def load_retained(ld: Loading) -> None:
     """Retained messages into ``ld.state.retained``; missing or expired ones go to ``ld.expired``."""
-    for key, value in ld.txn.cursor(db=ld.tables.retained):
+    for key, value in ld.rows("retained"):
         mid = rec.from_u64(bytes(value))
         msg = ld.message(mid)
         if msg is None or msg.expired(ld.now):
@@ -206,7 +294,7 @@ def load_outbox(ld: Loading) -> dict[bytes, list[OutboxRecord]]:
     """Upstream outbox rows, by the link's key part (``records.name_key``), in order; rows whose message is
     missing go to ``ld.expired``."""
     outbox: dict[bytes, list[OutboxRecord]] = {}
-    for key, value in ld.txn.cursor(db=ld.tables.outbox):
+    for key, value in ld.rows("outbox"):
         link, rest = rec.split_key(bytes(key))
         mid, qos, topic = rec.decode_outbox(bytes(value))
         msg = ld.message(mid)
@@ -222,8 +310,7 @@ def load_orphan_messages(ld: Loading) -> int:
     """Message rows that no row loaded before references go to ``ld.expired``; returns the highest mid of any
     message row (0: none)."""
     refs = ld.refs
-    ld.expired.messages = [bytes(k) for k, _ in ld.txn.cursor(db=ld.tables.messages)
-                           if rec.from_u64(bytes(k)) not in refs]
+    ld.expired.messages = [bytes(k) for k, _ in ld.rows("messages") if rec.from_u64(bytes(k)) not in refs]
     cursor = ld.txn.cursor(db=ld.tables.messages)
     return rec.from_u64(bytes(cursor.key())) if cursor.last() else 0
 

@@ -1,5 +1,10 @@
 """``edge-gateway store stats|inspect|compact``: look into and compact the LMDB store while the broker is
-stopped (the store's lock file keeps a running broker and these tools apart)."""
+stopped (the store's lock file keeps a running broker and these tools apart).
+
+On a terminal they show progress on stderr while they read or copy the store (tqdm: rows done of all rows, bytes,
+rows per second, time left); they stay quiet when stderr is not a terminal (scripts, pipes, files) and under
+systemd (``INVOCATION_ID`` or ``JOURNAL_STREAM`` set), so their output stays the same for scripts.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +13,83 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import lmdb
+from tqdm import tqdm
 
+from gateway.broker.store import LoadedState
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
+from gateway.store.loading import LoadProgress
 from gateway.store.tables import DB_NAMES
 
 
-def _open(settings: StoreSettings) -> LmdbStore:
+def show_progress(stream: TextIO | None = None, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether to draw progress on ``stream`` (stderr): it is a terminal and this is not a systemd service
+    (``INVOCATION_ID`` or ``JOURNAL_STREAM`` set: the journal is no terminal, whatever a pty says)."""
+    stream = sys.stderr if stream is None else stream
+    if env.get("INVOCATION_ID") or env.get("JOURNAL_STREAM"):
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _bar(total: int, desc: str, stream: TextIO | None) -> Any:
+    """A tqdm bar of ``total`` rows on ``stream`` (stderr), disabled when :func:`show_progress` says no."""
+    stream = sys.stderr if stream is None else stream
+    # the terminal's size (COLUMNS/LINES, else the terminal's, else 100x24 when it reports 0x0 as a fresh pty
+    # does: tqdm would then draw nothing)
+    size = shutil.get_terminal_size((100, 24))
+    return tqdm(total=total, desc=desc, unit=" rows", unit_scale=True, file=stream, disable=not show_progress(stream),
+                ncols=size.columns, nrows=size.lines, mininterval=0.2)
+
+
+class LoadBar:
+    """The store's ``on_load_progress`` callback as a tqdm bar: rows read of all rows, bytes read, rate, ETA."""
+
+    def __init__(self, desc: str, stream: TextIO | None = None) -> None:
+        self.desc = desc
+        self.stream = stream
+        self.bar: Any = None
+
+    def __call__(self, progress: LoadProgress) -> None:
+        if self.bar is None:
+            self.bar = _bar(progress.rows_total, self.desc, self.stream)
+        bar = self.bar
+        bar.update(progress.rows_read - bar.n)
+        if not bar.disable:
+            table = progress.table or "-"
+            bar.set_postfix_str(f"{tqdm.format_sizeof(progress.bytes_read, 'B', 1024)} read, table {table}",
+                                refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _open(settings: StoreSettings, desc: str = "reading store") -> tuple[LmdbStore, LoadedState]:
     if not (Path(settings.path) / "data.mdb").exists():
         raise FileNotFoundError(f"no store at {settings.path} (data.mdb missing)")
     store = LmdbStore(StoreSettings(settings.path, settings.max_size, 0, "refuse"))
-    store.load(time.time(), cleanup=False)  # look, do not change
-    return store
+    bar = LoadBar(desc)
+    store.on_load_progress = bar
+    try:
+        state = store.load(time.time(), cleanup=False)  # look, do not change
+    except BaseException:
+        store.close()
+        raise
+    finally:
+        bar.close()
+    return store, state
 
 
 def stats(settings: StoreSettings, out: TextIO = sys.stdout, as_json: bool = False) -> int:
     """Print sizes, session count, queue depths and the oldest queued message's age. Returns an exit code."""
-    store = _open(settings)
+    store, _state = _open(settings)
     try:
         info = store.stats(time.time())
     finally:
@@ -55,11 +117,8 @@ def stats(settings: StoreSettings, out: TextIO = sys.stdout, as_json: bool = Fal
 
 def inspect(settings: StoreSettings, out: TextIO = sys.stdout) -> int:
     """Print every persistent session (expiry, subscriptions, queue depth, inflight) and retained topic."""
-    store = _open(settings)
-    try:
-        state = store._read_all(time.time(), cleanup=False)
-    finally:
-        store.close()
+    store, state = _open(settings)
+    store.close()
     now = time.time()
     for s in sorted(state.sessions, key=lambda x: x.client_id):
         expires = "when it reconnects + expiry" if s.expires_at is None else f"in {s.expires_at - now:.0f} s"
@@ -76,20 +135,20 @@ def inspect(settings: StoreSettings, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def _bar(done: int, total: int, out: TextIO, width: int = 40) -> None:
-    frac = 1.0 if not total else done / total
-    filled = int(frac * width)
-    out.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} entries")
-    out.flush()
-
-
 def _has_db(env: lmdb.Environment, name: str) -> bool:
     with env.begin() as txn:
         return txn.get(name.encode()) is not None  # named databases are keys of the main database
 
 
+def _advance(bar: Any, rows: int, copied: int, table: str) -> None:
+    bar.update(rows)
+    if not bar.disable:
+        bar.set_postfix_str(f"{tqdm.format_sizeof(copied, 'B', 1024)} copied, table {table}", refresh=False)
+
+
 def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
-    """Copy every entry into a fresh environment (showing progress) and swap it in only when complete.
+    """Copy every entry into a fresh environment and swap it in only when complete; progress (rows, bytes, rate,
+    time left) on stderr when it is a terminal (:func:`show_progress`).
 
     The old environment is kept as ``<path>.old`` until the swap succeeded, then removed.
     """
@@ -110,8 +169,8 @@ def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
             dbs = [env.open_db(n.encode(), create=False) for n in names]
             with env.begin() as txn:
                 total = sum(txn.stat(db)["entries"] for db in dbs)
-            done = 0
-            _bar(0, total, out)
+            copied = 0
+            bar = _bar(total, "compacting", sys.stderr)
             for name, db in zip(names, dbs, strict=True):
                 ddb = dst.open_db(name.encode())
                 with env.begin(db=db) as rtxn:
@@ -119,22 +178,21 @@ def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
                     batch: list[tuple[bytes, bytes]] = []
                     for key, value in cursor:
                         batch.append((bytes(key), bytes(value)))
+                        copied += len(key) + len(value)
                         if len(batch) >= 5000:
                             with dst.begin(write=True, db=ddb) as wtxn:
                                 wtxn.cursor().putmulti(batch, append=True)
-                            done += len(batch)
+                            _advance(bar, len(batch), copied, name)
                             batch = []
-                            _bar(done, total, out)
                     if batch:
                         with dst.begin(write=True, db=ddb) as wtxn:
                             wtxn.cursor().putmulti(batch, append=True)
-                        done += len(batch)
-                _bar(done, total, out)
+                        _advance(bar, len(batch), copied, name)
+            bar.close()
             dst.sync(True)
         finally:
             dst.close()
             env.close()
-        out.write("\n")
         if old.exists():
             shutil.rmtree(old)
         os.replace(src, old)
