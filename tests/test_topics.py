@@ -333,3 +333,32 @@ def test_reference_itself_on_the_spec_examples() -> None:
         assert reference_match(topic_filter, topic) is expected, (topic_filter, topic)
     assert reference_match("#", "$SYS/x") is False
     assert reference_match("$SYS/#", "$SYS") is True
+
+
+topic_set = st.lists(st.text(st.sampled_from("ab/$"), min_size=1, max_size=6), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(topics=topic_set, topic_filter=filter_text, changes=topic_set)
+def test_mqtt_4_7_retained_matching_agrees_with_topic_matches(
+    topics: list[str], topic_filter: str, changes: list[str]
+) -> None:
+    """RetainedMessages.matching (fast paths for '#' and 'a/b/#', a cached topic order) gives exactly the retained
+    messages topic_matches accepts, in topic order, also after topics are added, replaced and cleared."""
+    from gateway.broker.message import Message
+    from gateway.broker.routing import RetainedMessages
+
+    if topic_filter_error(topic_filter) is not None:
+        return
+    retained = RetainedMessages()
+    live: set[str] = set()
+    for i, topic in enumerate(topics + changes):
+        cleared = i >= len(topics) and i % 2 == 0  # half the changes clear their topic (empty payload)
+        retained.set(Message(i + 1, topic, b"" if cleared else b"x", 0, True, {}, 0.0))
+        if cleared:
+            live.discard(topic)
+        else:
+            live.add(topic)
+        if i == len(topics) - 1 or i == len(topics + changes) - 1:
+            got = [m.topic for m in retained.matching(topic_filter)]
+            assert got == [t for t in sorted(live) if topic_matches(topic_filter, t)]

@@ -183,10 +183,11 @@ class RetainedMessages:
             ``max_retained_messages`` / ``max_retained_bytes`` (the broker's own ``$SYS`` values are not limited).
     """
 
-    __slots__ = ("_by_topic", "count", "size")
+    __slots__ = ("_by_topic", "_sorted", "count", "size")
 
     def __init__(self) -> None:
         self._by_topic: dict[str, Message] = {}
+        self._sorted: list[str] | None = None  # the topics in order, kept until one is added or removed
         self.count = 0
         self.size = 0
 
@@ -203,8 +204,10 @@ class RetainedMessages:
         """Store ``message`` as the topic's retained message, or clear it when the payload is empty
         [MQTT-3.3.1-6] [MQTT-3.3.1-7]; return the message it replaced."""
         if not message.payload:
-            return self._forget(self._by_topic.pop(message.topic, None))
+            return self.remove(message.topic)
         old = self._forget(self._by_topic.get(message.topic))
+        if old is None:
+            self._sorted = None
         self._by_topic[message.topic] = message
         if not message.topic.startswith("$SYS/"):
             self.count += 1
@@ -234,14 +237,30 @@ class RetainedMessages:
 
     def remove(self, topic: str) -> Message | None:
         """Forget the retained message of ``topic`` (expired); return it."""
-        return self._forget(self._by_topic.pop(topic, None))
+        old = self._by_topic.pop(topic, None)
+        if old is not None:
+            self._sorted = None
+        return self._forget(old)
 
     def matching(self, topic_filter: str) -> list[Message]:
         """Retained messages whose topic matches ``topic_filter``, in topic order."""
+        by_topic = self._by_topic
         if "+" not in topic_filter and "#" not in topic_filter:
-            msg = self._by_topic.get(topic_filter)
+            msg = by_topic.get(topic_filter)
             return [msg] if msg is not None else []
-        return [m for t, m in sorted(self._by_topic.items()) if topic_matches(topic_filter, t)]
+        topics = self._sorted
+        if topics is None:
+            topics = self._sorted = sorted(by_topic)
+        if topic_filter == "#":
+            # Every topic but those starting with '$' [MQTT-4.7.2-1] (the common "all of it" subscription: no
+            # per-topic matching).
+            return [by_topic[t] for t in topics if t[:1] != "$"]
+        if topic_filter.endswith("/#") and "+" not in topic_filter:
+            # 'a/b/#': the parent 'a/b' and everything below it [MQTT-4.7.1-2]; a prefix test per topic.
+            parent = topic_filter[:-2]
+            below = topic_filter[:-1]
+            return [by_topic[t] for t in topics if t.startswith(below) or t == parent]
+        return [by_topic[t] for t in topics if topic_matches(topic_filter, t)]
 
     def all(self) -> list[Message]:
         """Every retained message."""
