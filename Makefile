@@ -74,11 +74,14 @@ soak: venv deps
 # on the loaded 2-core development machine, docs/reliability.md "Fuzzing"); stops at the first input that breaks
 # an invariant and saves it under var/fuzz/.
 # FUZZ_ARGS adds libFuzzer flags (`-seed=N`, `-max_total_time=S`); run two with FUZZ_RUNS=500000 to use two cores.
+# FUZZ_STORE=lmdb runs the broker on the real LMDB store (in var/fuzz/lmdb-store, or FUZZ_STORE_DIR=/dev/shm/x: an
+# fsync per change costs on a disk) instead of in memory.
 FUZZ_RUNS ?= 1000000
+FUZZ_STORE ?= memory
 fuzz: venv
 	@$(BIN)/python -c "import atheris" 2>/dev/null || $(BIN)/pip install -q 'atheris>=2.3'
 	mkdir -p var/fuzz
-	cd var/fuzz && ../../$(BIN)/python ../../tests/fuzz_main.py -runs=$(FUZZ_RUNS) -artifact_prefix=./ $(FUZZ_ARGS)
+	cd var/fuzz && FUZZ_STORE=$(FUZZ_STORE) ../../$(BIN)/python ../../tests/fuzz_main.py -runs=$(FUZZ_RUNS) -artifact_prefix=./ $(FUZZ_ARGS)
 
 # The gateway image (README "The appliance"): a Debian bookworm root filesystem from the host's apt mirror,
 # provisioned with ansible/site.yml through the chroot connection, written as build/appliance/edge-gateway.ext4 with

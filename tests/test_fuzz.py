@@ -6,8 +6,12 @@ fuzz`` (atheris/libFuzzer, tests/fuzz_main.py, at least 1,000,000 inputs: docs/r
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 
 import pytest
 from fuzzing import run_input
@@ -47,6 +51,39 @@ def test_fuzz_random_inputs_bounded_in_time() -> None:
         if time.monotonic() > deadline:
             break
         run_input(rng.randbytes(rng.randrange(100, 1200)))
+
+
+@pytest.fixture(scope="module")
+def store_dir() -> Iterator[str]:
+    """A directory for the fuzzer's LMDB stores: in /dev/shm where there is one (a commit's fsync is free there;
+    each input commits every change alone), removed afterwards."""
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="edge-gateway-fuzz-", dir=shm)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@settings(max_examples=120, deadline=None, derandomize=False, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.binary(min_size=0, max_size=600))
+def test_fuzz_broker_on_a_real_lmdb_store_short_run(store_dir: str, data: bytes) -> None:
+    """The fuzz target on the real LmdbStore (tests/fuzzing.py, ``store_dir``): 120 hypothesis inputs (about 4 s),
+    the same invariants with the store's rows read from LMDB key by key, queues paged to LMDB and back, and a
+    restart from the store at the end of each input restoring the same sessions, queues and retained messages."""
+    run_input(data, store_dir)
+
+
+def test_fuzz_random_inputs_on_a_real_lmdb_store(store_dir: str) -> None:
+    """Seeded random inputs on the real LmdbStore for 5 s (at most 1,000)."""
+    rng = random.Random(1515)
+    deadline = time.monotonic() + 5
+    runs = 0
+    for runs in range(1, 1001):  # noqa: B007
+        run_input(rng.randbytes(rng.randrange(100, 1200)), store_dir)
+        if time.monotonic() > deadline:
+            break
+    assert runs >= 10
+    assert os.listdir(store_dir) in ([], [".store.lock"])  # each input's store removed
 
 
 @pytest.mark.parametrize("level", [0x45, 7, 3])
