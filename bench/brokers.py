@@ -423,7 +423,7 @@ class MetricsGateway(Broker):
     Prometheus would (at 1 s, 15x its default rate): what metrics cost the broker shows against plain edge-gateway.
 
     Attributes:
-        scrapes / scrape_errors: completed and failed scrapes; samples: lines in the last scrape.
+        scrapes / scrape_errors: completed and failed scrapes; samples: lines in the last scrape; metrics_url: where.
     """
 
     def __init__(self, workdir: Path, persistence: bool = False, nofile: int = 20000, interval: float = 1.0) -> None:
@@ -432,6 +432,7 @@ class MetricsGateway(Broker):
         self.scrapes = 0
         self.scrape_errors = 0
         self.samples = 0
+        self.metrics_url = ""
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -447,7 +448,7 @@ class MetricsGateway(Broker):
         if not ports:
             self.kill()
             raise BrokerError(f"edge-gateway did not log its metrics port:\n{self.log_tail()}")
-        url = f"http://127.0.0.1:{ports[-1]}/metrics"
+        url = self.metrics_url = f"http://127.0.0.1:{ports[-1]}/metrics"
         self._halt.clear()
         self._thread = threading.Thread(target=self._scrape_loop, args=(url,), daemon=True, name="scraper")
         self._thread.start()
