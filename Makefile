@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients systemd chromium
+APT_PACKAGES := mosquitto mosquitto-clients systemd chromium npm
 
 .PHONY: demo test test-cluster lint venv deps clean bench soak fuzz image image-test image-deps
 
@@ -21,7 +21,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 venv: $(VENV)/.installed
 
 # Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; chromium renders the
-# pipeline report headless).
+# pipeline report headless and runs mqtt.js over WebSockets, which npm installs into the test's temp dir).
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
