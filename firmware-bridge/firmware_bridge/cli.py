@@ -38,6 +38,9 @@ Config file (TOML):
   broker = "127.0.0.1:1884"         # the gateway's internal listener
   buffer = 10000                    # readings held while the broker is down (QoS 0 dropped first)
 
+  [metrics]                         # Prometheus /metrics (off when absent): frames, ports, buffer, devices
+  bind = "127.0.0.1:9884"
+
   [[ports]]
   path = "/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"
   baudrate = 115200
