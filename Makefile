@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients systemd chromium npm
+APT_PACKAGES := mosquitto mosquitto-clients systemd chromium
 
 .PHONY: demo test test-cluster lint venv deps clean bench soak fuzz image image-test image-deps
 
@@ -21,7 +21,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 venv: $(VENV)/.installed
 
 # Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; chromium renders the
-# pipeline report headless and runs mqtt.js over WebSockets, which npm installs into the test's temp dir).
+# pipeline report headless and runs mqtt.js over WebSockets, which npm installs into that test's temp dir: npm is
+# installed when missing, unless a nodejs without it is there (NodeSource's bundles npm; Debian's conflicts with it),
+# and the browser test skips without it).
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -30,6 +32,9 @@ deps:
 	fi
 	@command -v java >/dev/null 2>&1 || { echo "installing a Java runtime (Spark, for the pipeline tests)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless >/dev/null; }
+	@command -v npm >/dev/null 2>&1 || { echo "installing npm (mqtt.js for tests/test_websockets_browser.py)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null \
+	  || echo "npm could not be installed: tests/test_websockets_browser.py will skip"; }
 
 # broker + a simulated sensor board on a pty + firmware-bridge, printing the readings as they arrive; Ctrl-C stops all
 # demo/cloud.py adds a stand-in cloud broker on 127.0.0.1:1884 and the gateway's upstream link to it ([cloud], [link])
