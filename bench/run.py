@@ -155,6 +155,7 @@ METRICS = [
     Metric("offline.lost", "offline QoS 1 backlog", "lost (acked, not drained)", "count", ""),
     Metric("offline.ooo", "offline QoS 1 backlog", "out of order in drain", "count", ""),
     Metric("offline.cpu", "offline QoS 1 backlog", "broker CPU us/msg (publish+drain)", "us", "down"),
+    Metric("offline.fsync", "offline QoS 1 backlog", "fdatasync p50 ms of the run's disk (probe)", "ms", ""),
     Metric("offline.pubcpu", "offline QoS 1 backlog", "broker CPU us/msg, publish", "us", "down"),
     Metric("offline.draincpu", "offline QoS 1 backlog", "broker CPU us/msg, drain", "us", "down"),
     Metric("retained.rate", "retained (10k topics, 100 `#` subscribers at once)", "retained deliveries/s", "rate",
@@ -453,8 +454,30 @@ def scenario_idle(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
     return {"idle.rate": r["connected"] / max(1e-9, r["elapsed"]), "idle.rss": (rss1 - rss0) / r["connected"]}
 
 
+def fsync_probe(directory: Path, n: int = 30) -> float:
+    """The median wall time of ``n`` 4 KiB overwrites each followed by ``fdatasync`` in ``directory``, ms: how fast
+    the disk under the store commits now (the durable publish waits for two per commit, LMDB's data and meta
+    pages); the machine is shared, so it is measured in every offline cell."""
+    path = directory / "fsync-probe"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, bytes(1 << 16))
+        os.fdatasync(fd)
+        times = []
+        for i in range(n):
+            os.pwrite(fd, os.urandom(4096), (i % 16) * 4096)
+            t = time.perf_counter()
+            os.fdatasync(fd)
+            times.append(time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return statistics.median(times) * 1e3
+
+
 def scenario_offline(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
     assert b.target is not None
+    fsync_ms = fsync_probe(b.workdir)
     t = b.target
     n = p.offline_msgs
     per = n // 4
@@ -507,7 +530,7 @@ def scenario_offline(b: Broker, p: Params, budget: float, info: dict[str, Any]) 
     return {"offline.pub": acked / max(1e-9, (t1 - t0) / 1e9), "offline.rss": rss1 / 1024,
             "offline.drain": m["unique"] / max(1e-9, (m["last_ns"] - m["t_connect_ns"]) / 1e9),
             "offline.lost": lost, "offline.ooo": m["out_of_order"], "offline.cpu": cpu, "offline.pubcpu": pub_cpu,
-            "offline.draincpu": drain_cpu}
+            "offline.draincpu": drain_cpu, "offline.fsync": fsync_ms}
 
 
 def scenario_kill(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
