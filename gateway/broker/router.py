@@ -30,12 +30,18 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
         if not count and not message.retain and message.sender is not None:
             core.stats.dropped["no_subscribers"] += 1  # EMQX's messages.dropped.no_subscribers
         return count
+    sessions = core.sessions
     if core.read_checks:  # an acl_file exists: subscriptions decided PARTIAL check read (gateway/broker/access.py)
-        subs = [r for r in subs if may_read(core.sessions[r.client_id], r.key, message.topic)]
+        if len(subs) == 1:  # the common case, without a new list: a set look-up when decided ALL
+            rec = subs[0]
+            if rec.key in sessions[rec.client_id].partial and not may_read(sessions[rec.client_id], rec.key,
+                                                                            message.topic):
+                subs = []
+        else:
+            subs = [r for r in subs if may_read(sessions[r.client_id], r.key, message.topic)]
         if not subs and not groups:
             return count
     sender = message.sender
-    sessions = core.sessions
     if len(subs) == 1 and not groups:
         rec = subs[0]
         if rec.no_local and rec.client_id == sender:
