@@ -665,3 +665,41 @@ def test_seed000_a_long_puback_run_is_left_pending_so_the_io_layer_writes_betwee
     rest = sub.read()
     assert [p.payload for p in rest[:-1]] == [b"%d" % i for i in range(40, 64)]
     assert rest[-1] == PingResp()  # the bytes after the run are handled after its last part, in order
+
+
+# --------------------------------------------------------------------------- retained messages to new subscribers
+
+
+def test_mqtt_3_3_1_retained_messages_to_new_subscribers_are_the_current_ones_in_every_variant() -> None:
+    """Retained messages are encoded once per message for new subscribers (RetainedMessages.encoded): every new
+    subscriber still gets the current retained message of each topic with RETAIN=1 [MQTT-3.3.1-8] at its own
+    Protocol Level and granted QoS [MQTT-3.3.1-6] [MQTT-3.3.1-9], after topics are replaced and cleared
+    [MQTT-3.3.1-7], and no encoding of a replaced message is kept."""
+    broker = make_broker()
+    pub = Client(broker)
+    pub.connect("pub")
+    for i in range(5):
+        pub.send(Publish(f"r/{i}", f"one-{i}".encode(), qos=1, retain=True, packet_id=i + 1))
+    pub.read()
+
+    def new_subscriber(name: str, version: int, qos: int) -> dict[str, tuple[bytes, int, bool]]:
+        sub = Client(broker, version)
+        sub.connect(name)
+        sub.send(Subscribe(1, [Subscription("r/#", qos)]))
+        packets = sub.read()
+        assert isinstance(packets[0], Suback)
+        return {p.topic: (p.payload, p.qos, p.retain) for p in packets[1:]}
+
+    want = {f"r/{i}": (f"one-{i}".encode(), 1, True) for i in range(5)}
+    assert new_subscriber("a", 4, 1) == want
+    assert new_subscriber("b", 5, 1) == want  # the other Protocol Level: its own encoding
+    assert new_subscriber("c", 4, 0) == {t: (v[0], 0, True) for t, v in want.items()}  # downgraded to QoS 0
+    pub.send(Publish("r/1", b"two-1", qos=1, retain=True, packet_id=10))  # replaced
+    pub.send(Publish("r/2", b"", qos=1, retain=True, packet_id=11))  # cleared
+    pub.read()
+    want["r/1"] = (b"two-1", 1, True)
+    del want["r/2"]
+    assert new_subscriber("d", 4, 1) == want
+    assert new_subscriber("e", 4, 1) == want
+    live = {broker.retained.get(topic).mid for topic in want}  # type: ignore[union-attr]
+    assert set(broker.retained.encoded) <= live

@@ -74,17 +74,26 @@ def write_publish(
         head, tail = encode_publish_parts(topic, message.payload, qos, retain, props, version)
     else:
         # The common variant: encoded once per (version, QoS, RETAIN) and reused for every subscriber.
-        cache = core.enc_cache
-        if core.enc_mid != message.mid:
-            core.enc_mid = message.mid
-            cache.clear()
-            parts = None
-        else:
-            parts = cache.get((version, qos, retain))
+        parts = None
+        if retain:
+            # Retained messages go to new subscribers one message after another: each is encoded once and kept
+            # while it is the retained one (RetainedMessages.encoded), not once per subscriber.
+            hit = core.retained.encoded.get(message.mid)
+            if hit is not None and hit[0] == version and hit[1] == qos:
+                parts = hit[2]
         if parts is None:
-            parts = cache[(version, qos, retain)] = encode_publish_parts(
-                topic, message.payload, qos, retain, props, version
-            )
+            cache = core.enc_cache
+            if core.enc_mid != message.mid:
+                core.enc_mid = message.mid
+                cache.clear()
+            else:
+                parts = cache.get((version, qos, retain))
+            if parts is None:
+                parts = cache[(version, qos, retain)] = encode_publish_parts(
+                    topic, message.payload, qos, retain, props, version
+                )
+                if retain and core.retained.get(topic) is message:
+                    core.retained.encoded[message.mid] = (version, qos, parts)
         head, tail = parts
     if dup:
         head = bytes((head[0] | 0x08,)) + head[1:]

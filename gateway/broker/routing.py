@@ -181,13 +181,18 @@ class RetainedMessages:
     Attributes:
         count / size: retained messages outside ``$SYS`` and their :func:`retained_size` total, bytes, for
             ``max_retained_messages`` / ``max_retained_bytes`` (the broker's own ``$SYS`` values are not limited).
+        encoded: mid -> (Protocol Level, QoS, PUBLISH parts with RETAIN=1) of retained messages already sent once
+            (``gateway.broker.output.write_publish``): a new subscriber to many retained topics gets bytes encoded
+            for an earlier one. One variant per message; an entry leaves with its message (replaced, cleared,
+            expired). About 200 bytes each (the payload is shared, not copied).
     """
 
-    __slots__ = ("_by_topic", "_sorted", "count", "size")
+    __slots__ = ("_by_topic", "_sorted", "count", "encoded", "size")
 
     def __init__(self) -> None:
         self._by_topic: dict[str, Message] = {}
         self._sorted: list[str] | None = None  # the topics in order, kept until one is added or removed
+        self.encoded: dict[int, tuple[int, int, tuple[bytes, bytes]]] = {}
         self.count = 0
         self.size = 0
 
@@ -195,9 +200,12 @@ class RetainedMessages:
         return len(self._by_topic)
 
     def _forget(self, old: Message | None) -> Message | None:
-        if old is not None and not old.topic.startswith("$SYS/"):
-            self.count -= 1
-            self.size -= retained_size(old.topic, old.payload)
+        if old is not None:
+            if self.encoded:
+                self.encoded.pop(old.mid, None)
+            if not old.topic.startswith("$SYS/"):
+                self.count -= 1
+                self.size -= retained_size(old.topic, old.payload)
         return old
 
     def set(self, message: Message) -> Message | None:
