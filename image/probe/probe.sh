@@ -2,6 +2,12 @@
 # The in-image probe of `make image-test` (image/boot-test.sh reads its lines from the serial log).
 # Each check prints one line "edge-gateway-probe: PASS <name> ..." or "edge-gateway-probe: FAIL <name> ...",
 # then "edge-gateway-probe: DONE" and the machine powers off.
+#
+# With edge_gateway.powercut=first|again on the kernel command line (the power-cut test, image/vm_test.py) it does not
+# power off: it reports the store and the disk ("STORE ...", "DISK ..."), brings up the qemu user network (a static
+# address in /run) and serves the broker's loopback listener on 0.0.0.0:1885 (systemd-socket-proxyd: the host reaches
+# it only through qemu's hostfwd on its own 127.0.0.1), prints "SERVING" and waits for the host to cut the power.
+# "again" (each boot after a cut) runs only the first check before that.
 set -u
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 GW=edge-gateway.service
@@ -42,6 +48,34 @@ roundtrip() {  # roundtrip TOPIC: a QoS 1 message from mosquitto_pub reaches mos
     [ "$(head -n1 /run/probe-rt)" = "$token" ]
 }
 
+# The power-cut test's report: the store opened cleanly or was quarantined (the broker's journal of this boot), and
+# the disk under the store with its write cache mode and the flushes the kernel sent it since boot.
+store_report() {
+    if journalctl -u "$GW" -o cat --no-pager 2>/dev/null | grep -q 'STORE CORRUPT'; then
+        say "STORE quarantined: $(journalctl -u "$GW" -o cat --no-pager | grep -m1 'STORE CORRUPT' | head -c 300)"
+    else
+        say "STORE clean: $(journalctl -u "$GW" -o cat --no-pager 2>/dev/null | grep -m1 'store: LMDB at' | head -c 200)"
+    fi
+    src=$(findmnt -n -o SOURCE --target /var/lib/edge-gateway)
+    part=$(basename "$src")
+    disk=$(basename "$(readlink -f "/sys/class/block/$part/..")")
+    [ -e "/sys/block/$part" ] && disk=$part
+    # /sys/block/DISK/stat: field 16 is the number of flush requests completed (Documentation/block/stat.rst).
+    say "DISK /var/lib/edge-gateway on $src ($(findmnt -n -o FSTYPE,OPTIONS --target /var/lib/edge-gateway)), $disk write_cache=$(cat "/sys/block/$disk/queue/write_cache"), flushes=$(awk '{print $16}' "/sys/block/$disk/stat")"
+}
+serve() {
+    install -d /run/systemd/network
+    printf '[Match]\nName=en* eth*\n\n[Network]\nAddress=10.0.2.15/24\nLinkLocalAddressing=no\n' \
+        > /run/systemd/network/10-edge-gateway-probe.network
+    systemctl start systemd-networkd.service
+    systemd-socket-activate -l 0.0.0.0:1885 /usr/lib/systemd/systemd-socket-proxyd 127.0.0.1:1884 \
+        > /run/probe-proxy.log 2>&1 &
+    wait_for 60 grep -q 10.0.2.15 /proc/net/fib_trie || say "no address 10.0.2.15: $(ls /sys/class/net | tr '\n' ' ')"
+    say "SERVING 0.0.0.0:1885 -> 127.0.0.1:1884 (systemd-socket-proxyd), up $(cut -d' ' -f1 /proc/uptime) s"
+    sleep infinity
+}
+powercut=$(sed -n 's/.*edge_gateway\.powercut=\([a-z]*\).*/\1/p' /proc/cmdline)
+
 say "START $(uname -r), up $(cut -d' ' -f1 /proc/uptime) s"
 
 # 1. The broker is active only after READY=1 (Type=notify): listeners bound, store open.
@@ -49,6 +83,12 @@ if wait_for 180 systemctl is-active --quiet "$GW"; then
     pass "broker-active $GW is $(prop $GW ActiveState) after READY; pid $(prop $GW MainPID); status: $(prop $GW StatusText)"
 else
     fail "broker-active $GW is $(prop $GW ActiveState)/$(prop $GW SubState)"; journal "$GW"
+fi
+
+if [ "$powercut" = again ]; then
+    store_report
+    say "DONE failed=$failed"
+    serve
 fi
 
 # 2. A publish/subscribe round trip through the broker.
@@ -111,5 +151,10 @@ else
 fi
 
 kill "$sim" 2>/dev/null
+if [ "$powercut" = first ]; then
+    store_report
+    say "DONE failed=$failed"
+    serve
+fi
 say "DONE failed=$failed"
 systemctl --no-block poweroff

@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""Boot the gateway image under qemu (TCG) with the in-image probe, then cut its power (`make image-test`).
+
+1. Boot 1: the probe (image/probe/probe.sh) checks the running appliance and reports over the serial console: the
+   broker is active after READY=1, a QoS 1 round trip, firmware-bridge reading a pty simulator, a hung broker killed
+   by the watchdog and restarted, the bridge surviving that. Every check must print PASS.
+2. Power cuts (``--power-cuts N``, 3 in ``make image-test``): the probe then serves the broker's loopback listener
+   on the guest's 0.0.0.0:1885, which qemu's user network forwards from 127.0.0.1:PORT on this host only
+   (``hostfwd``; ``restrict=on``: the guest reaches nothing else). A client here subscribes once to
+   ``powercut/#`` with QoS 1 and clean_session=0 (MQTT 3.1.1 persistent session) and disconnects; a publisher
+   sends numbered QoS 1 messages, and once a random number of them has been acknowledged qemu is killed with
+   SIGKILL while up to 20 more are in flight. The VM boots again from the same disk; the probe reports that the
+   broker is active and whether its store opened cleanly or was quarantined ("STORE clean|quarantined"); the
+   subscriber reconnects and every message the publisher saw acknowledged (PUBACK) must arrive. The next cut
+   happens during that boot, and so on: N cuts take N + 1 boots.
+
+The disk is a copy of the image (removed afterwards unless ``--keep-disk``), opened by qemu with
+``cache=writeback``: the guest sees a volatile write cache, so its kernel sends flushes, and qemu turns each into an
+fdatasync of the file. That the flushes reach the file is checked, not assumed: qemu runs under
+``strace -e trace=fdatasync,fsync`` (seccomp-filtered: nothing else stops), which counts the syncs of the disk file
+per boot, and the probe reports the guest's own count of flush requests (/sys/block/DISK/stat). What a SIGKILL of
+qemu loses is what the guest had not yet written to its virtual disk (its page cache, the writes in flight): a power
+cut of a board whose storage honours flushes. It does not model storage that loses writes it acknowledged as
+flushed (README "Power cuts").
+
+Each qemu run has a hard timeout (``timeout --signal=KILL``) beside this script's own deadlines; qemu is killed by
+its PID (``-pidfile``). Exit status 0 when every check passed.
+
+Usage: vm_test.py --arch amd64 [--power-cuts 3] [--seed N] [--out build/appliance]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ("broker-active", "pubsub-roundtrip", "bridge-reading", "watchdog-restart", "pubsub-after-restart",
+          "bridge-survived-restart")
+PROBE = re.compile(r"edge-gateway-probe: (.*)")
+INFLIGHT = 20
+TOPIC = "powercut"
+
+
+def log(msg: str) -> None:
+    print(f"image-test: {msg}", flush=True)
+
+
+@dataclass
+class Arch:
+    """How qemu boots one architecture's image: the emulator, the machine, the console and the files."""
+
+    qemu: list[str]
+    console: str
+    disk: str
+    kernel: str
+    initrd: str
+    root: str
+
+
+def arch_config(arch: str, out: Path) -> Arch:
+    """The qemu command line and the image's files of ``arch`` (amd64, arm64)."""
+    if arch == "amd64":
+        return Arch(["qemu-system-x86_64", "-machine", "q35", "-cpu", "max"], "ttyS0",
+                    str(out / "edge-gateway.ext4"), str(out / "vmlinuz"), str(out / "initrd.img"), "/dev/vda")
+    if arch == "arm64":
+        return Arch(["qemu-system-aarch64", "-machine", "virt", "-cpu", "cortex-a53"], "ttyAMA0",
+                    str(out / "edge-gateway-arm64.img"), str(out / "arm64-boot" / "vmlinuz"),
+                    str(out / "arm64-boot" / "initrd.img"), "LABEL=eg-root")
+    raise SystemExit(f"vm_test.py: --arch {arch!r}: must be amd64 or arm64")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Vm:
+    """One qemu run: started, its serial log followed line by line, stopped by PID."""
+
+    arch: Arch
+    disk: Path
+    serial: Path
+    trace: Path
+    cmdline: str
+    limit: float
+    port: int = 0
+    snapshot: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    pid: int = 0
+    started: float = 0.0
+    probe: list[str] = field(default_factory=list)
+    _pos: int = 0
+    _buf: str = ""
+
+    def start(self) -> None:
+        for path in (self.serial, self.trace):
+            path.unlink(missing_ok=True)
+        pidfile = self.serial.with_suffix(".pid")
+        pidfile.unlink(missing_ok=True)
+        drive = f"file={self.disk},format=raw,if=none,id=hd0,cache=writeback,aio=threads"
+        if self.snapshot:
+            drive += ",snapshot=on"
+        net = ["-nic", "none"]
+        if self.port:
+            net = ["-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.port}-:1885",
+                   "-device", "virtio-net-pci,netdev=net0"]
+        # strace counts the fdatasync/fsync calls qemu makes on the disk file: the guest's flushes reaching it
+        # (--seccomp-bpf: only those system calls stop qemu).
+        cmd = ["timeout", "--signal=KILL", str(int(self.limit)),
+               "strace", "-f", "--seccomp-bpf", "-qq", "-y", "-e", "trace=fdatasync,fsync", "-o", str(self.trace),
+               *self.arch.qemu,
+               "-accel", os.environ.get("IMAGE_TEST_ACCEL", "tcg"), "-smp", "2", "-m", "1024",
+               "-no-reboot", "-display", "none", "-monitor", "none", "-serial", f"file:{self.serial}",
+               "-pidfile", str(pidfile),
+               "-kernel", self.arch.kernel, "-initrd", self.arch.initrd,
+               "-append", f"root={self.arch.root} ro console={self.arch.console} panic=-1 {self.cmdline}",
+               "-drive", drive, "-device", "virtio-blk-pci,drive=hd0", *net]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        end = time.monotonic() + 30
+        while not self.pid:
+            try:
+                self.pid = int(pidfile.read_text().strip() or 0)
+            except (FileNotFoundError, ValueError):
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"qemu exited with {self.proc.returncode} before it started")
+            if time.monotonic() > end:
+                raise RuntimeError("qemu wrote no pidfile within 30 s")
+            time.sleep(0.1)
+        pidfile.unlink(missing_ok=True)
+
+    def lines(self) -> list[str]:
+        """The probe's new lines in the serial log (also kept in ``self.probe``)."""
+        try:
+            with self.serial.open("rb") as f:
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._pos += len(data)
+        self._buf += data.decode("utf-8", "replace").replace("\r", "")
+        *complete, self._buf = self._buf.split("\n")
+        new = [m.group(1) for line in complete if (m := PROBE.search(line))]
+        self.probe += new
+        return new
+
+    def wait_for(self, prefix: str, seconds: float) -> str:
+        """Wait for a probe line starting with ``prefix``; print the probe's lines as they come."""
+        end = time.monotonic() + seconds
+        while True:
+            for line in self.lines():
+                print(f"  edge-gateway-probe: {line}", flush=True)
+                if line.startswith(prefix):
+                    return line
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"qemu exited with {self.proc.returncode} before the probe printed {prefix!r}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"no {prefix!r} from the probe within {seconds:.0f} s")
+            time.sleep(0.25)
+
+    def wait_exit(self, seconds: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.wait(30)
+
+    def kill(self) -> None:
+        """SIGKILL qemu (by its PID): the power cut."""
+        if self.pid and self.proc is not None and self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
+    def flushes(self) -> int:
+        """fdatasync/fsync calls qemu made on the disk file during this run (strace), -1 without a trace."""
+        if not self.trace.exists():
+            return -1
+        name = f"<{self.disk.resolve()}>".encode()
+        with self.trace.open("rb") as f:
+            return sum(1 for line in f if name in line and re.search(rb"\bf(data)?sync\(", line))
+
+
+def connect(port: int, client_id: str, clean: bool, seconds: float,
+            on_message: mqtt.CallbackOnMessage | None = None) -> mqtt.Client:
+    """An MQTT 3.1.1 client connected to the VM's broker through the hostfwd port (retried until ``seconds``)."""
+    end = time.monotonic() + seconds
+    last = ""
+    while time.monotonic() < end:
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311,
+                             clean_session=clean)
+        client.max_inflight_messages_set(INFLIGHT)
+        connected = threading.Event()
+        result: list[str] = []
+
+        def on_connect(c: mqtt.Client, u: object, flags: object, rc: mqtt.ReasonCode, p: object,
+                       result: list[str] = result, connected: threading.Event = connected) -> None:
+            result.append(str(rc))
+            if not rc.is_failure:
+                connected.set()
+
+        client.on_connect = on_connect
+        if on_message is not None:
+            client.on_message = on_message
+        try:
+            client.connect("127.0.0.1", port, keepalive=60)
+        except OSError as exc:
+            last = str(exc)
+            time.sleep(1)
+            continue
+        client.loop_start()
+        if connected.wait(5):
+            return client
+        last = f"no CONNACK ({result})"
+        client.loop_stop()
+        client.disconnect()
+        time.sleep(1)
+    raise RuntimeError(f"{client_id} could not connect to 127.0.0.1:{port} within {seconds:.0f} s: {last}")
+
+
+def subscribe_offline(port: int) -> None:
+    """The persistent session: subscribe powercut/# with QoS 1 and go away (clean_session=0 keeps it)."""
+    client = connect(port, "powercut-sub", clean=False, seconds=60)
+    done = threading.Event()
+    client.on_subscribe = lambda *a: done.set()
+    client.subscribe(f"{TOPIC}/#", qos=1)
+    if not done.wait(30):
+        raise RuntimeError("no SUBACK for powercut/#")
+    client.disconnect()
+    client.loop_stop()
+
+
+@dataclass
+class Cut:
+    """One power cut: what the publisher sent and saw acknowledged, and what the subscriber got afterwards."""
+
+    cycle: int
+    sent: int = 0
+    acked: set[int] = field(default_factory=set)
+    delivered: Counter[int] = field(default_factory=Counter)
+    store: str = ""
+    flushes_before: int = 0
+    boot_s: float = 0.0
+
+    @property
+    def lost(self) -> list[int]:
+        return sorted(self.acked - self.delivered.keys())
+
+
+def publish_and_cut(vm: Vm, port: int, cut: Cut, kill_after: int) -> None:
+    """Publish numbered QoS 1 messages; SIGKILL qemu once ``kill_after`` are acknowledged (more in flight)."""
+    client = connect(port, "powercut-pub", clean=True, seconds=60)
+    pending: list[tuple[int, mqtt.MQTTMessageInfo]] = []
+    seq = 0
+    killed_at = 0.0
+    try:
+        while True:
+            for s, info in pending:
+                if info.is_published():
+                    cut.acked.add(s)
+            pending = [(s, info) for s, info in pending if s not in cut.acked]
+            if not killed_at and len(cut.acked) >= kill_after:
+                vm.kill()  # the power cut, with up to INFLIGHT messages in flight
+                killed_at = time.monotonic()
+            if killed_at:
+                if not client.is_connected() or time.monotonic() - killed_at > 10:
+                    break
+                time.sleep(0.05)
+                continue
+            if len(pending) >= INFLIGHT:
+                time.sleep(0.002)
+                continue
+            if vm.proc is not None and vm.proc.poll() is not None:
+                raise RuntimeError(f"qemu exited with {vm.proc.returncode} while the publisher was sending")
+            seq += 1
+            pending.append((seq, client.publish(f"{TOPIC}/{cut.cycle}", f"{cut.cycle}:{seq}", qos=1)))
+    finally:
+        # A PUBACK read from the socket before the connection closed counts: the broker sent it before the cut.
+        for s, info in pending:
+            if info.is_published():
+                cut.acked.add(s)
+        client.loop_stop()
+        client.disconnect()
+    cut.sent = seq
+
+
+def drain(port: int, cut: Cut, seconds: float) -> None:
+    """Reconnect the persistent session and collect this cut's messages until every acknowledged one is there
+    (then 2 s more for stragglers) or ``seconds`` pass."""
+    lock = threading.Lock()
+
+    def on_message(c: mqtt.Client, u: object, msg: mqtt.MQTTMessage) -> None:
+        cycle, _, seq = msg.payload.decode().partition(":")
+        if int(cycle) == cut.cycle:
+            with lock:
+                cut.delivered[int(seq)] += 1
+
+    client = connect(port, "powercut-sub", clean=False, seconds=60, on_message=on_message)
+    end = time.monotonic() + seconds
+    complete_at = 0.0
+    while time.monotonic() < end:
+        with lock:
+            complete = not (cut.acked - cut.delivered.keys())
+        if complete and not complete_at:
+            complete_at = time.monotonic()
+        if complete_at and time.monotonic() - complete_at > 2:
+            break
+        time.sleep(0.2)
+    client.disconnect()
+    client.loop_stop()
+
+
+def boot_checks(vm: Vm, failures: list[str]) -> None:
+    """Every check of the full probe printed PASS, none FAIL."""
+    for check in CHECKS:
+        if not any(line.startswith(f"PASS {check}") for line in vm.probe):
+            failures.append(f"missing PASS {check}")
+    failures += [line for line in vm.probe if line.startswith("FAIL")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default=os.environ.get("IMAGE_ARCH", "amd64"), help="amd64 or arm64")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
+    parser.add_argument("--power-cuts", type=int, default=3, help="SIGKILLs of qemu mid-stream (0: the probe only)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the kill points (default: random, printed)")
+    parser.add_argument("--boot-timeout", type=float, default=float(os.environ.get("IMAGE_TEST_TIMEOUT", 600)),
+                        help="hard limit of one qemu run, seconds (default 600)")
+    parser.add_argument("--keep-disk", action="store_true", help="keep the power-cut disk copy")
+    args = parser.parse_args()
+    arch = arch_config(args.arch, args.out)
+    for path in (arch.disk, arch.kernel, arch.initrd):
+        if not Path(path).is_file():
+            raise SystemExit(f"image-test: {path} is missing: make image ARCH={args.arch}")
+    if shutil.which(arch.qemu[0]) is None:
+        raise SystemExit(f"image-test: {arch.qemu[0]} is missing: make image-deps")
+    seed = args.seed if args.seed is not None else random.randrange(1 << 32)
+    rng = random.Random(seed)
+    tag = f"-{args.arch}" if args.arch != "amd64" else ""
+    serial = args.out / f"serial{tag}.log"
+    failures: list[str] = []
+    cuts: list[Cut] = []
+    disk = Path(arch.disk)
+    work = args.out / f"powercut{tag}.img"
+    probe = "systemd.wants=edge-gateway-probe.service edge_gateway.probe=1"
+    start = time.monotonic()
+    vm: Vm | None = None
+    try:
+        if args.power_cuts:
+            log(f"power-cut disk: a copy of {disk.name} as {work.name} (cache=writeback); seed {seed}")
+            subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(disk), str(work)], check=True)
+            disk = work
+        port = free_port() if args.power_cuts else 0
+        vm = Vm(arch, disk, serial, serial.with_suffix(".trace"),
+                probe + (" edge_gateway.powercut=first" if args.power_cuts else ""), args.boot_timeout, port,
+                snapshot=not args.power_cuts)
+        log(f"boot 1: {' '.join(arch.qemu)} -accel {os.environ.get('IMAGE_TEST_ACCEL', 'tcg')}, probe checks")
+        vm.start()
+        vm.wait_for("DONE", args.boot_timeout)
+        boot_checks(vm, failures)
+        if not args.power_cuts:
+            rc = vm.wait_exit(120)
+            if rc != 0:
+                failures.append(f"qemu exited with {rc} (it should power off by itself)")
+        else:
+            vm.wait_for("SERVING", 120)
+            subscribe_offline(port)
+            log("powercut-sub subscribed to powercut/# (QoS 1, clean_session=0) and disconnected")
+        for n in range(1, args.power_cuts + 1):
+            cut = Cut(n)
+            cuts.append(cut)
+            kill_after = rng.randint(50, 400)
+            publish_and_cut(vm, port, cut, kill_after)
+            cut.flushes_before = vm.flushes()
+            log(f"power cut {n}/{args.power_cuts}: SIGKILL of qemu after {kill_after} acknowledged: {cut.sent} "
+                f"published, {len(cut.acked)} acknowledged; qemu flushed the disk file {cut.flushes_before} times "
+                f"that boot")
+            if cut.flushes_before <= 0:
+                failures.append(f"cut {n}: qemu submitted no flush to the disk file (the guest's flushes do not "
+                                f"reach it: {cut.flushes_before})")
+            port = free_port()
+            boot_log = serial.with_name(f"serial{tag}-boot{n + 1}.log")
+            vm = Vm(arch, disk, boot_log, boot_log.with_suffix(".trace"),
+                    probe + " edge_gateway.powercut=again", args.boot_timeout, port)
+            vm.start()
+            vm.wait_for("SERVING", args.boot_timeout)
+            cut.boot_s = time.monotonic() - vm.started
+            failures += [f"cut {n}: {line}" for line in vm.probe if line.startswith("FAIL")]
+            stores = [line for line in vm.probe if line.startswith("STORE")]
+            cut.store = stores[0] if stores else "no STORE line"
+            if not stores:
+                failures.append(f"cut {n}: the probe reported no STORE line")
+            if not any(line.startswith("PASS broker-active") for line in vm.probe):
+                failures.append(f"cut {n}: the broker is not active after the reboot")
+            drain(port, cut, 90)
+            dups = sum(c - 1 for c in cut.delivered.values())
+            extra = len(cut.delivered.keys() - cut.acked)
+            log(f"power cut {n}/{args.power_cuts}: rebooted in {cut.boot_s:.0f} s, {cut.store.split(':')[0]}; "
+                f"{len(cut.delivered)} delivered ({len(cut.acked) - len(cut.lost)} of {len(cut.acked)} "
+                f"acknowledged, {extra} published but unacknowledged, {dups} duplicates); lost: {len(cut.lost)}")
+            if cut.lost:
+                failures.append(f"cut {n}: {len(cut.lost)} acknowledged messages lost: {cut.lost[:20]}")
+    except RuntimeError as exc:
+        failures.append(str(exc))
+    finally:
+        if vm is not None:
+            vm.kill()
+        if args.power_cuts and not args.keep_disk and not failures:
+            work.unlink(missing_ok=True)
+        for path in args.out.glob(f"serial{tag}*.trace"):
+            path.unlink(missing_ok=True)
+    elapsed = time.monotonic() - start
+    boot = next((line for line in (vm.probe if vm else []) if line.startswith("START")), "")
+    log(f"qemu -accel {os.environ.get('IMAGE_TEST_ACCEL', 'tcg')} ran {elapsed:.0f} s; serial logs: {serial} ... "
+        f"({boot})")
+    if cuts:
+        total_acked = sum(len(c.acked) for c in cuts)
+        total_lost = sum(len(c.lost) for c in cuts)
+        clean = sum(c.store.startswith("STORE clean") for c in cuts)
+        log(f"power cuts: {len(cuts)} of {args.power_cuts}, {total_acked} acknowledged, {total_lost} lost, store "
+            f"clean after {clean}, quarantined after {len(cuts) - clean}; seed {seed}")
+    for failure in failures:
+        log(f"FAIL {failure}")
+    if failures:
+        if args.power_cuts:
+            log(f"the disk is kept for a look: {work}")
+        return 1
+    log(f"{len(CHECKS)} passed, 0 failed" + (f"; {len(cuts)} power cuts, nothing acknowledged lost" if cuts else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
