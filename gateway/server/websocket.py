@@ -9,14 +9,16 @@ the same :class:`~gateway.server.protocol.MQTTProtocol` that plain listeners use
   ``fail_if_no_subprotocol = false``).
 - Once upgraded, the payload of binary frames is handed to the broker as a byte stream: a frame may hold part of an
   MQTT packet or several, and the broker's codec reassembles them exactly as from TCP. Everything the broker
-  writes goes out as one binary frame per write (one per connection per loop turn: :meth:`BrokerIO.flush`).
+  writes goes out as one binary frame per write (one per connection per flush: :meth:`BrokerIO.flush`).
   A text frame closes the connection (MQTT-6.0.0-1); pings are answered; a Close frame is answered and the
   connection closed.
 - Every broker feature works the same, because the broker sees an :class:`MQTTProtocol` like any other: sessions,
   Receive Maximum, the store, authentication and ACLs (``use_identity_as_username`` from a ``wss`` client
   certificate), limits, flow control (``high_watermark``, ``send_timeout``, pausing publishers), and the
-  connection counts. The listener's ``connect_timeout`` (seconds) bounds the upgrade and the CONNECT together: the
-  broker's CONNECT deadline counts from the TCP accept (or the start of the TLS handshake, for ``wss``).
+  connection counts. The listener's ``connect_timeout`` (seconds) bounds the upgrade and the CONNECT together:
+  the broker's CONNECT deadline counts from the TCP accept (or the start of the TLS handshake, for ``wss``).
+  One difference: what a WebSocket read produced is written at the end of that read (:meth:`BrokerIO.flush`),
+  not once per loop turn, because frame decoding makes a loop turn long.
 
 ``wss`` is a websockets listener with TLS keys: :class:`~gateway.server.tls_accept.TlsListener` does the handshake
 and then builds a :class:`WebSocketProtocol` instead of a ``TlsMQTTProtocol``.
@@ -221,6 +223,11 @@ class WebSocketProtocol(asyncio.Protocol):
         if chunks and self.mqtt is not None:
             self.mqtt.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
             chunks.clear()
+            # Write what this read produced now rather than at the end of the loop turn: decoding frames costs far
+            # more per packet than MQTT alone, and uvloop reads up to 32 times per socket in one turn, so a turn
+            # can take seconds; subscribers would get nothing meanwhile, and their write buffers would not report
+            # congestion (high_watermark) in time to hold publishers back.
+            self.io.flush()
 
     def _upgrade(self, request: Request) -> bool:
         """Accept the upgrade on the listener's path (a new :class:`MQTTProtocol` takes the connection) or answer
