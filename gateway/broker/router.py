@@ -34,8 +34,8 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
     if core.read_checks:  # an acl_file exists: subscriptions decided PARTIAL check read (gateway/broker/access.py)
         if len(subs) == 1:  # the common case, without a new list: a set look-up when decided ALL
             rec = subs[0]
-            if rec.key in sessions[rec.client_id].partial and not may_read(sessions[rec.client_id], rec.key,
-                                                                            message.topic):
+            session = sessions[rec.client_id]
+            if rec.key in session.partial and not may_read(session, rec.key, message.topic):
                 subs = []
         else:
             subs = [r for r in subs if may_read(sessions[r.client_id], r.key, message.topic)]
