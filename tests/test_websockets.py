@@ -470,3 +470,34 @@ def test_connect_timeout_bounds_the_upgrade_and_the_connect(ws_broker: BrokerPro
     finally:
         silent.close()
         upgraded.close()
+
+
+def test_websocket_clients_are_counted_like_tcp_clients_in_the_metrics(tmp_path: Path) -> None:
+    """Issue 18: WebSocket clients go through the same connection code as TCP ones, so Prometheus counts them the
+    same: ``edge_gateway_clients_connected{listener="ws"}`` and ``edge_gateway_connections_total``."""
+    from test_metrics import metrics_port, scrape, value
+
+    config = '[store]\nbackend = "memory"\n[metrics]\nbind = "127.0.0.1:0"\n[listeners.tcp]\nbind = "127.0.0.1:0"\n'
+    config += '[listeners.ws]\nbind = "127.0.0.1:0"\nprotocol = "websockets"\n'
+    proc = BrokerProcess(config, workdir=str(tmp_path)).start()
+    clients = []
+    try:
+        port = metrics_port(proc)
+        before = value(scrape(port), "edge_gateway_connections_total")
+        for transport, listener in (("websockets", "ws"), ("websockets", "ws"), ("tcp", "tcp")):
+            client = paho(f"counted-{uuid.uuid4().hex[:8]}", transport=transport)
+            connected = threading.Event()
+            client.on_connect = lambda *a, ev=connected: ev.set()
+            client.connect("127.0.0.1", proc.ports[listener], keepalive=30)
+            client.loop_start()
+            assert connected.wait(10), proc.log()
+            clients.append(client)
+        samples = scrape(port)
+        assert value(samples, "edge_gateway_clients_connected", listener="ws") == 2
+        assert value(samples, "edge_gateway_clients_connected", listener="tcp") == 1
+        assert value(samples, "edge_gateway_connections_total") - before == 3
+    finally:
+        for client in clients:
+            client.disconnect()
+            client.loop_stop()
+        assert proc.stop() == 0, proc.log()
