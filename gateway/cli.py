@@ -183,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
     store = sub.add_parser("store", help="look into or compact the LMDB store (broker stopped)",
                            description="Inspect or compact the durable store. Run these while the broker is "
-                                       "stopped: the store is locked by a running broker.")
+                                       "stopped: the store is locked by a running broker. On a terminal they show "
+                                       "progress on stderr (rows, bytes, rate, time left); when stderr is not a "
+                                       "terminal, or under systemd, only their output.")
     store.add_argument("action", choices=["stats", "inspect", "compact"],
                        help="stats: sizes, sessions, queue depths, oldest message age; inspect: every session "
                             "and retained topic; compact: copy into a fresh file and swap it in when complete")
