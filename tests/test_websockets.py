@@ -24,6 +24,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
+from bystanders import QoS1Pair
 from helpers import BrokerProcess, wait_until
 from paho.mqtt.enums import CallbackAPIVersion
 from pki import Issued, make_pki
@@ -72,6 +73,11 @@ bind = "127.0.0.1:0"
 bind = "127.0.0.1:0"
 protocol = "websockets"
 connect_timeout = "{CONNECT_TIMEOUT}s"
+[listeners.ws_slow]
+bind = "127.0.0.1:0"
+protocol = "websockets"
+send_timeout = "2s"
+max_mqueue_bytes = "4MB"
 [listeners.wss]
 bind = "127.0.0.1:0"
 protocol = "websockets"
@@ -94,7 +100,7 @@ use_identity_as_username = true
 @pytest.fixture(scope="module")
 def ws_broker(pki: dict[str, Issued], tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     proc = BrokerProcess(broker_config(pki), workdir=str(tmp_path_factory.mktemp("ws"))).start()
-    assert set(proc.ports) == {"tcp", "ws", "wss", "wss_cert"}, proc.log()
+    assert set(proc.ports) == {"tcp", "ws", "ws_slow", "wss", "wss_cert"}, proc.log()
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -501,3 +507,33 @@ def test_websocket_clients_are_counted_like_tcp_clients_in_the_metrics(tmp_path:
             client.disconnect()
             client.loop_stop()
         assert proc.stop() == 0, proc.log()
+
+
+def test_a_websocket_subscriber_that_stops_reading_is_closed_after_send_timeout(ws_broker: BrokerProcess) -> None:
+    """Flow control goes through the WebSocket layer: a subscriber on ``ws_slow`` (send_timeout 2 s,
+    max_mqueue_bytes 4 MB) that stops reading while 50 MB of QoS 1 messages are published to it is closed after
+    send_timeout (logged with its client id), the publisher is never held back for long, and a QoS 1 pair on the
+    TCP listener loses nothing."""
+    uid = uuid.uuid4().hex[:8]
+    pair = QoS1Pair(ws_broker.ports["tcp"], f"bystander-{uid}").start()
+    slow = RawWsClient(ws_broker.ports["ws_slow"], version=5)
+    slow.send_frames(Connect(f"slow-{uid}", 5, True, 60).encode(5))
+    assert isinstance(slow.recv(), Connack)
+    slow.send_frames(Subscribe(1, [Subscription(f"flood/{uid}/#", 1)]).encode(5))
+    assert isinstance(slow.recv(), Suback)
+    slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read again
+    pub = paho(f"flood-{uid}", transport="tcp", version=mqtt.MQTTv5)
+    pub.connect("127.0.0.1", ws_broker.ports["tcp"], keepalive=30)
+    pub.loop_start()
+    try:
+        publish_all(pub, f"flood/{uid}/a", [i.to_bytes(4, "big") + b"y" * 500_000 for i in range(100)])
+        wait_until(
+            lambda: any("send_timeout" in line and f"slow-{uid}" in line for line in ws_broker.lines),
+            timeout=15,
+            what=ws_broker.log,
+        )
+        pair.finish()
+    finally:
+        pub.disconnect()
+        pub.loop_stop()
+        slow.close()
