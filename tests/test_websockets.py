@@ -13,8 +13,10 @@
 from __future__ import annotations
 
 import gc
+import shutil
 import socket
 import ssl
+import subprocess
 import threading
 import time
 import uuid
@@ -62,7 +64,23 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Issued]:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def broker_config(pki: dict[str, Issued]) -> str:
+ACL = """user alice
+topic readwrite ws/alice/#
+"""
+
+
+def broker_config(pki: dict[str, Issued], workdir: Path) -> str:
+    """The listeners (tcp, ws, ws_slow, ws_auth, wss, wss_cert); writes ws_auth's password file (alice/alice-pw, by
+    Debian's ``mosquitto_passwd``) and ACL file into ``workdir``."""
+    exe = shutil.which("mosquitto_passwd")
+    if exe is None:
+        pytest.skip("mosquitto_passwd is not installed (make deps installs the mosquitto package)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / "passwd").exists():
+        subprocess.run(
+            [exe, "-c", "-b", str(workdir / "passwd"), "alice", "alice-pw"], check=True, timeout=30, capture_output=True
+        )
+    (workdir / "acl").write_text(ACL)
     server = pki["server"]
     return f"""
 [store]
@@ -78,6 +96,12 @@ bind = "127.0.0.1:0"
 protocol = "websockets"
 send_timeout = "2s"
 max_mqueue_bytes = "4MB"
+[listeners.ws_auth]
+bind = "127.0.0.1:0"
+protocol = "websockets"
+allow_anonymous = false
+password_file = "{workdir / "passwd"}"
+acl_file = "{workdir / "acl"}"
 [listeners.wss]
 bind = "127.0.0.1:0"
 protocol = "websockets"
@@ -99,8 +123,9 @@ use_identity_as_username = true
 
 @pytest.fixture(scope="module")
 def ws_broker(pki: dict[str, Issued], tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    proc = BrokerProcess(broker_config(pki), workdir=str(tmp_path_factory.mktemp("ws"))).start()
-    assert set(proc.ports) == {"tcp", "ws", "ws_slow", "wss", "wss_cert"}, proc.log()
+    workdir = tmp_path_factory.mktemp("ws")
+    proc = BrokerProcess(broker_config(pki, workdir), workdir=str(workdir)).start()
+    assert set(proc.ports) == {"tcp", "ws", "ws_slow", "ws_auth", "wss", "wss_cert"}, proc.log()
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -273,7 +298,7 @@ def test_persistent_session_resumed_over_websockets_after_a_restart(pki: dict[st
     """MQTT 5 session (expiry 1 h) subscribed over WebSockets, offline while 30 QoS 1 messages arrive, the broker
     restarted (LMDB store): the client reconnects over WebSockets with Clean Start 0, gets Session Present 1 and
     all 30 messages in order."""
-    proc = BrokerProcess(broker_config(pki), workdir=str(tmp_path)).start()
+    proc = BrokerProcess(broker_config(pki, tmp_path), workdir=str(tmp_path)).start()
     cid = f"persist-{uuid.uuid4().hex[:8]}"
     topic = f"ws/persist/{uuid.uuid4().hex}"
     props = mqtt.Properties(mqtt.PacketTypes.CONNECT)
@@ -294,7 +319,7 @@ def test_persistent_session_resumed_over_websockets_after_a_restart(pki: dict[st
         pub.disconnect()
         pub.loop_stop()
         assert proc.stop() == 0, proc.log()
-        proc = BrokerProcess(broker_config(pki), workdir=str(tmp_path)).start()
+        proc = BrokerProcess(broker_config(pki, tmp_path), workdir=str(tmp_path)).start()
         again = paho(cid, version=mqtt.MQTTv5)
         col = Collector(again, topic)
         again.connect("127.0.0.1", proc.ports["ws"], keepalive=30, clean_start=False, properties=props)
@@ -537,3 +562,50 @@ def test_a_websocket_subscriber_that_stops_reading_is_closed_after_send_timeout(
         pub.disconnect()
         pub.loop_stop()
         slow.close()
+
+
+def test_password_file_and_acl_apply_over_websockets(ws_broker: BrokerProcess) -> None:
+    """``ws_auth`` (allow_anonymous false, a mosquitto_passwd file, an ACL): a wrong password and no user name are
+    refused in CONNACK (0x86 / 0x87); alice gets in, her PUBLISH to her own topic is delivered and acknowledged,
+    one outside her ACL gets PUBACK 0x87 Not authorized and is not delivered."""
+    port = ws_broker.ports["ws_auth"]
+    for user, password, code in (("alice", "wrong", 0x86), (None, None, 0x87)):
+        raw = RawWsClient(port)
+        raw.send_frames(
+            Connect(
+                f"auth-{uuid.uuid4().hex[:8]}",
+                5,
+                True,
+                30,
+                username=user,
+                password=password.encode() if password else None,
+            ).encode(5)
+        )
+        connack = raw.recv()
+        assert isinstance(connack, Connack) and connack.reason_code == code, connack
+        assert raw.closed()
+        raw.close()
+    uid = uuid.uuid4().hex[:8]
+    watcher = paho(f"watch-{uid}", transport="tcp")
+    col = Collector(watcher, "#", qos=1)
+    watcher.connect("127.0.0.1", ws_broker.ports["tcp"], keepalive=30)
+    watcher.loop_start()
+    alice = RawWsClient(port)
+    try:
+        assert col.subscribed.wait(10)
+        alice.send_frames(Connect(f"alice-{uid}", 5, True, 30, username="alice", password=b"alice-pw").encode(5))
+        connack = alice.recv()
+        assert isinstance(connack, Connack) and connack.reason_code == 0, connack
+        alice.send_frames(
+            Publish(f"ws/alice/{uid}", b"mine", 1, packet_id=1).encode(5),
+            Publish(f"other/{uid}", b"not mine", 1, packet_id=2).encode(5),
+        )
+        acks = {p.packet_id: p.reason_code for p in (alice.recv(), alice.recv()) if isinstance(p, PubAck)}
+        assert acks == {1: 0, 2: 0x87}, acks
+        wait_until(lambda: b"mine" in col.got, what=ws_broker.log)
+        time.sleep(0.3)
+        assert b"not mine" not in col.got
+    finally:
+        watcher.disconnect()
+        watcher.loop_stop()
+        alice.close()
