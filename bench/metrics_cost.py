@@ -14,46 +14,69 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from brokers import MetricsGateway
 
+from gateway.mqtt.packets import MQTT_5, Connect, Publish, Subscribe, Subscription
+from gateway.mqtt.properties import PropertyId as P
 
-def _clients(port: int, n: int, queued: int) -> list[mqtt.Client]:
-    """``n`` MQTT 5 clients, each subscribed at QoS 1 to its own topic; half disconnect with a persistent session
-    and get ``queued`` QoS 1 messages each (offline queues for the collector to walk)."""
-    clients = []
+
+def _clients(port: int, n: int, queued: int) -> list[socket.socket]:
+    """``n`` MQTT 5 clients on plain sockets (CONNECT with a Session Expiry Interval, SUBSCRIBE at QoS 1 to a topic
+    of their own; replies read and ignored); half of them close, leaving persistent offline sessions, and one
+    publisher gives each of those ``queued`` QoS 1 messages. Returns the sockets still open."""
+    socks = []
     for i in range(n):
-        c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"cost-{i}", protocol=mqtt.MQTTv5)
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = 3600
-        c.connect("127.0.0.1", port, keepalive=600, properties=props)
-        c.loop_start()
-        c.subscribe(f"cost/{i}", 1)
-        clients.append(c)
-    time.sleep(1.0)
-    pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="cost-pub", protocol=mqtt.MQTTv5)
-    pub.connect("127.0.0.1", port)
-    pub.loop_start()
-    for i in range(0, n, 2):
-        clients[i].disconnect()
-        clients[i].loop_stop()
-    time.sleep(0.5)
-    for i in range(0, n, 2):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(Connect(f"cost-{i}", MQTT_5, True, 600, properties={P.SESSION_EXPIRY_INTERVAL: 3600}).encode(MQTT_5)
+                  + Subscribe(1, [Subscription(f"cost/{i}", 1)]).encode(MQTT_5))
+        socks.append(s)
+    for s in socks:  # CONNACK + SUBACK
+        s.settimeout(10)
+        got = b""
+        while len(got) < 2 or len(got) < _length(got):
+            got += s.recv(65536)
+    for s in socks[0::2]:
+        s.close()
+    pub = socket.create_connection(("127.0.0.1", port))
+    pub.settimeout(10)
+    pub.sendall(Connect("cost-pub", MQTT_5, True, 600).encode(MQTT_5))
+    connack = pub.recv(2)
+    _read(pub, connack[1])
+    pid = 0
+    for i in range(0, n, 2):  # one topic's messages at a time, then their PUBACKs (4 bytes each): within the window
+        batch = b""
         for _ in range(queued):
-            pub.publish(f"cost/{i}", b"x" * 64, 1).wait_for_publish(10)
-    return [*clients[1::2], pub]
+            pid = pid % 65535 + 1
+            batch += Publish(f"cost/{i}", b"x" * 64, 1, False, False, pid).encode(MQTT_5)
+        pub.sendall(batch)
+        _read(pub, 4 * queued)
+    time.sleep(0.5)
+    return [*socks[1::2], pub]
+
+
+def _read(s: socket.socket, n: int) -> None:
+    """Read and drop exactly ``n`` bytes."""
+    while n:
+        got = s.recv(n)
+        if not got:
+            raise ConnectionError("the broker closed the connection")
+        n -= len(got)
+
+
+def _length(data: bytes) -> int:
+    """Bytes of the CONNACK (4 + properties) and SUBACK at the start of ``data``: enough to know both arrived."""
+    first = 2 + data[1]
+    return first + 2 + (data[first + 1] if len(data) > first + 1 else 255)
 
 
 def main() -> int:
@@ -69,7 +92,10 @@ def main() -> int:
         url = b.metrics_url
         live = _clients(target.port, args.clients, args.queued)
         time.sleep(1.0)
-        size = len(urllib.request.urlopen(url, timeout=10).read())
+        text = urllib.request.urlopen(url, timeout=10).read()
+        size = len(text)
+        wanted = (b"edge_gateway_sessions{", b"edge_gateway_messages_queued ", b"edge_gateway_connections ")
+        shown = [line.decode() for line in text.splitlines() if line.startswith(wanted)]
         # baseline: the same wall time, no scrapes
         t0, c0 = time.monotonic(), b.cpu_seconds()
         for _ in range(args.scrapes):
@@ -81,13 +107,12 @@ def main() -> int:
         idle = b.cpu_seconds() - c1
         per = (busy - idle) / args.scrapes
         print(f"clients {args.clients} ({args.clients // 2} online, {args.clients // 2} offline with {args.queued} "
-              f"queued each); scrape {size:,} bytes")
+              f"queued each); scrape {size:,} bytes: {', '.join(shown)}")
         print(f"{args.scrapes} scrapes in {wall:.2f} s: broker CPU {busy:.2f} s, idle baseline {idle:.2f} s "
               f"-> {per * 1e3:.2f} ms per scrape")
         print(f"a scrape every 1 s: {per:.2%} of a core; every 15 s: {per / 15:.3%}")
         for c in live:
-            c.disconnect()
-            c.loop_stop()
+            c.close()
     finally:
         b.stop()
         b.cleanup()
