@@ -115,7 +115,7 @@ def base_tarball(arch: str) -> Path:
     # bookworm-security armhf) fails apt-get update: then once more without that suite, said loudly.
     without_security = "\n\n".join(s for s in sources.split("\n\n") if "-security" not in s)
     for attempt, text in enumerate([sources, without_security], 1):
-        (CACHE / f"{SUITE}.sources").write_text(text)
+        (CACHE / f"{SUITE}-{arch}.sources").write_text(text)
         log(f"base {arch}: mmdebstrap {SUITE}/{arch} under qemu-user" + (" without -security" if attempt == 2 else ""))
         # --mode=root inside a private mount namespace: mmdebstrap's bind mounts vanish with it, even on failure.
         argv = ["unshare", "--mount", "--propagation", "private", "--",
@@ -123,7 +123,7 @@ def base_tarball(arch: str) -> Path:
                 "--aptopt=Acquire::Retries \"3\"",
                 "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
                 "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
-                SUITE, str(part), str(CACHE / f"{SUITE}.sources")]  # fmt: skip
+                SUITE, str(part), str(CACHE / f"{SUITE}-{arch}.sources")]  # fmt: skip
         if subprocess.run(argv, stdout=subprocess.DEVNULL).returncode == 0:
             break
         part.unlink(missing_ok=True)
