@@ -160,6 +160,7 @@ def test_metrics_count_refused_connect_by_reason(mbroker: BrokerProcess, uid: st
     """A CONNECT past ``max_connections`` (CONNACK 0x97 Quota exceeded) counts once, by reason and by limit."""
     port = metrics_port(mbroker)
     before = scrape(port)
+    assert value(before, "edge_gateway_clients_connected", listener="tight") == 0  # listed before its first client
     first = Client(mbroker.ports["tight"], f"{uid}-first")
     assert first.connack == 0
     second = Client(mbroker.ports["tight"], f"{uid}-second")
