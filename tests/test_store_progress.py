@@ -19,6 +19,7 @@ import pty
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,16 +177,26 @@ def test_store_compact_on_a_terminal_shows_a_progress_bar_and_keeps_every_row(tm
 def test_broker_start_reports_store_loading_progress_before_ready(tmp_path: Path) -> None:
     """STATUS= lines with loading progress arrive before READY=1: the first at once, more as the load goes on
     (interval shortened to 0.05 s), N and K never going back and the last saying every session and queued
-    message was read; the log has progress lines and the summary."""
+    message was read; the log has progress lines and the summary. The test reads the socket while the broker
+    starts (the kernel queues 10 datagrams at most; the broker drops STATUS= lines rather than wait)."""
     notify = NotifySocket()
     workdir = tmp_path / "broker"
     workdir.mkdir()
     build_store(workdir / "var")
-    proc = BrokerProcess(
-        CONFIG, workdir=str(workdir), env={"NOTIFY_SOCKET": notify.path, "EDGE_GATEWAY_PROGRESS_INTERVAL": "0.05"}
-    )
+    env = {"NOTIFY_SOCKET": notify.path, "EDGE_GATEWAY_PROGRESS_INTERVAL": "0.05"}
+    proc = BrokerProcess(CONFIG, workdir=str(workdir), env=env)
+    reading = threading.Event()
+
+    def read_while_starting() -> None:
+        while not reading.is_set():
+            notify.poll(0.05)
+
+    reader = threading.Thread(target=read_while_starting, daemon=True)
+    reader.start()
     try:
         proc.start(timeout=60)
+        reading.set()
+        reader.join(5)
         texts = notify.wait_for(lambda t: "READY=1" in t, timeout=30)
         ready = texts.index("READY=1")
         loading = [tuple(map(int, m.groups())) for t in texts[:ready] if (m := STATUS.match(t))]
@@ -200,5 +211,6 @@ def test_broker_start_reports_store_loading_progress_before_ready(tmp_path: Path
         assert re.search(r"store: loading: \d+ of 6000 sessions, \d+ of 24000 queued messages", log), log
         assert "store: loaded 6000 sessions and 24000 queued messages" in log, log
     finally:
+        reading.set()
         assert proc.stop() == 0, proc.log()
         notify.close()

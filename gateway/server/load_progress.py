@@ -6,6 +6,9 @@ The store's loaders (:mod:`gateway.store.loading`) count rows and call :meth:`Lo
 1024 rows; the clock is read here, on the I/O side. The first STATUS is sent at once (when the totals are known),
 the next ones and the log lines every interval; a store that loads within one interval logs nothing extra.
 
+STATUS= lines go out on a non-blocking socket: when the service manager does not read them fast enough they are
+dropped rather than holding up the start.
+
 ``EDGE_GATEWAY_PROGRESS_INTERVAL`` (seconds) replaces the 2 s interval; tests set it short to see several
 updates from a store that loads in under a second.
 """
@@ -69,6 +72,10 @@ class LoadReporter:
         self._notifier: sdnotify.SystemdNotifier | None = None
         if notify is None and os.environ.get("NOTIFY_SOCKET"):
             self._notifier = sdnotify.SystemdNotifier()
+            if self._notifier.socket is not None:
+                # A manager that does not read (a full datagram queue: net.unix.max_dgram_qlen, 10 by default)
+                # must cost a STATUS= line, never a start that hangs; sdnotify drops the error.
+                self._notifier.socket.setblocking(False)
             notify = self._notifier.notify
         self.notify = notify
         self.lines = 0  # progress lines logged
