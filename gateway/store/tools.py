@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import lmdb
-from tqdm import tqdm
 
 from gateway.broker.store import LoadedState
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
@@ -38,14 +37,44 @@ def show_progress(stream: TextIO | None = None, env: Mapping[str, str] = os.envi
         return False
 
 
+class _NoBar:
+    """What :func:`_bar` gives when no progress is shown: counts, draws nothing (and tqdm is not imported)."""
+
+    disable = True
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _size(n: int) -> str:
+    """``n`` bytes as tqdm shows sizes (1024-based: "3.5MB")."""
+    from tqdm import tqdm
+
+    return str(tqdm.format_sizeof(n, "B", 1024))
+
+
 def _bar(total: int, desc: str, stream: TextIO | None) -> Any:
-    """A tqdm bar of ``total`` rows on ``stream`` (stderr), disabled when :func:`show_progress` says no."""
+    """A tqdm bar of ``total`` rows on ``stream`` (stderr), or a :class:`_NoBar` when :func:`show_progress` says
+    no (tqdm is imported only for a terminal: it takes a noticeable part of a short command's start)."""
     stream = sys.stderr if stream is None else stream
+    if not show_progress(stream):
+        return _NoBar()
+    from tqdm import tqdm
+
     # the terminal's size (COLUMNS/LINES, else the terminal's, else 100x24 when it reports 0x0 as a fresh pty
     # does: tqdm would then draw nothing)
     size = shutil.get_terminal_size((100, 24))
-    return tqdm(total=total, desc=desc, unit=" rows", unit_scale=True, file=stream, disable=not show_progress(stream),
-                ncols=size.columns, nrows=size.lines, mininterval=0.2)
+    return tqdm(total=total, desc=desc, unit=" rows", unit_scale=True, file=stream, ncols=size.columns,
+                nrows=size.lines, mininterval=0.2)
 
 
 class LoadBar:
@@ -63,8 +92,7 @@ class LoadBar:
         bar.update(progress.rows_read - bar.n)
         if not bar.disable:
             table = progress.table or "-"
-            bar.set_postfix_str(f"{tqdm.format_sizeof(progress.bytes_read, 'B', 1024)} read, table {table}",
-                                refresh=False)
+            bar.set_postfix_str(f"{_size(progress.bytes_read)} read, table {table}", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -143,7 +171,7 @@ def _has_db(env: lmdb.Environment, name: str) -> bool:
 def _advance(bar: Any, rows: int, copied: int, table: str) -> None:
     bar.update(rows)
     if not bar.disable:
-        bar.set_postfix_str(f"{tqdm.format_sizeof(copied, 'B', 1024)} copied, table {table}", refresh=False)
+        bar.set_postfix_str(f"{_size(copied)} copied, table {table}", refresh=False)
 
 
 def compact(settings: StoreSettings, out: TextIO = sys.stderr) -> int:
