@@ -212,5 +212,6 @@ def test_broker_start_reports_store_loading_progress_before_ready(tmp_path: Path
         assert "store: loaded 6000 sessions and 24000 queued messages" in log, log
     finally:
         reading.set()
-        assert proc.stop() == 0, proc.log()
+        code = proc.stop()
         notify.close()
+    assert code == 0, proc.log()
