@@ -30,7 +30,9 @@ from test_systemd_notify import NotifySocket
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.session import NEVER, Session
+from gateway.server.load_progress import LoadReporter, progress_interval
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
+from gateway.store.loading import LoadProgress
 
 SESSIONS = 6000
 QUEUED = 4  # per session
@@ -215,3 +217,37 @@ def test_broker_start_reports_store_loading_progress_before_ready(tmp_path: Path
         code = proc.stop()
         notify.close()
     assert code == 0, proc.log()
+
+
+def test_load_reporter_sends_the_first_status_at_once_then_one_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """In process, with a fake clock: the first report sends STATUS= at once and logs nothing; later reports send
+    and log only once per interval; ``done`` logs the summary (only when progress was logged) and a last STATUS=."""
+    now = [100.0]
+    sent: list[str] = []
+    reporter = LoadReporter(interval=2.0, clock=lambda: now[0], notify=sent.append)
+    progress = LoadProgress(totals={"sessions": 10, "queue": 40}, read={"sessions": 0, "queue": 0})
+    caplog.set_level("INFO", logger="gateway.server")
+    reporter(progress)
+    assert sent == ["STATUS=loading store: 0 of 10 sessions, 0 of 40 queued messages"]
+    progress.read["sessions"] = 10
+    now[0] += 1.0
+    reporter(progress)  # within the interval: nothing
+    assert len(sent) == 1 and not caplog.records
+    progress.read["queue"] = 20
+    progress.bytes_read = 3 * 1048576
+    now[0] += 1.5
+    reporter(progress)
+    assert sent[-1] == "STATUS=loading store: 10 of 10 sessions, 20 of 40 queued messages"
+    assert [r.getMessage() for r in caplog.records] == [
+        "store: loading: 10 of 10 sessions, 20 of 40 queued messages; 30 of 50 rows (60%, 3.0 MiB) read in 2.5 s, "
+        "12 rows/s"
+    ]
+    progress.read["queue"] = 40
+    now[0] += 0.5
+    reporter.done()
+    assert sent[-1] == "STATUS=loading store: 10 of 10 sessions, 40 of 40 queued messages; opening the listeners"
+    assert caplog.records[-1].getMessage() == (
+        "store: loaded 10 sessions and 40 queued messages (50 rows, 3.0 MiB) in 3.0 s"
+    )
+    assert progress_interval({"EDGE_GATEWAY_PROGRESS_INTERVAL": "0.5"}) == 0.5
+    assert progress_interval({"EDGE_GATEWAY_PROGRESS_INTERVAL": "soon"}) == progress_interval({}) == 2.0
