@@ -128,3 +128,29 @@ def test_durable_cpu_profile_runs_and_queues_every_message() -> None:
     assert "loop thread CPU" in proc.stdout and "writer CPU" in proc.stdout
     drained = [line for line in proc.stdout.splitlines() if line.startswith("drain: ")]
     assert len(drained) == 1 and drained[0].startswith("drain: 640 of 640 queued messages delivered, 0 rows left, ")
+
+
+def test_ws_fanin_counts_frame_payloads_however_the_stream_is_cut() -> None:
+    """bench/ws_fanin.py's subscriber counts deliveries by the payload bytes of the broker's frames: frames of 7-bit,
+    16-bit and 64-bit lengths (as wsproto's server side writes them), the stream cut into pieces of 1, 2, 3, 7 and
+    1000 bytes and at random."""
+    import random
+
+    from ws_fanin import FrameCounter
+    from wsproto import ConnectionType, WSConnection
+    from wsproto.events import AcceptConnection, BytesMessage, Request
+
+    server, client = WSConnection(ConnectionType.SERVER), WSConnection(ConnectionType.CLIENT)
+    server.receive_data(client.send(Request(host="x", target="/mqtt")))
+    list(server.events())
+    server.send(AcceptConnection())
+    sizes = [1, 83, 125, 126, 127, 65535, 65536, 70000, 3]
+    stream = b"".join(server.send(BytesMessage(data=bytes(n))) for n in sizes)
+    rng = random.Random(1)
+    for cut in (1, 2, 3, 7, 1000, None):
+        counter, pos = FrameCounter(), 0
+        while pos < len(stream):
+            step = cut or rng.randint(1, 5000)
+            counter.feed(stream[pos : pos + step])
+            pos += step
+        assert counter.payload == sum(sizes), cut
