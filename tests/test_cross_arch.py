@@ -66,7 +66,8 @@ def _timed(stage: str, started: float) -> None:
 def _playbook(root: Path, arch: str, work: Path) -> subprocess.CompletedProcess[str]:
     inventory = work / "inventory.yml"
     inventory.write_text(json.dumps({"all": {
-        "vars": {"appliance_wheel_dir": str(CACHE / "wheels")},
+        # one wheel directory per board: `make test-cross` may run the two boards at once (pytest -k)
+        "vars": {"appliance_wheel_dir": str(CACHE / arch / "wheels")},
         "children": {"gateways": {"hosts": {f"board-{arch}": {
             "ansible_connection": "community.general.chroot", "ansible_host": str(root),
             "gateway_id": f"gw-cross-{arch}",
@@ -105,7 +106,7 @@ def board(request: pytest.FixtureRequest, binfmt: list[str], tmp_path_factory: p
             assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
             recap = re.search(rf"^board-{arch}\s+: ok=\d+\s+changed=(\d+)", proc.stdout, re.M)
             assert recap, proc.stdout[-3000:]
-            built.append(_wheel_digest())
+            built.append(_wheel_digest(arch))
             if run == 2 and built[0] != built[1]:
                 # The working tree changed while run 1 ran (a shared development tree): new code is a real change.
                 log(f"{arch}: the edge-gateway wheel changed between the runs; idempotence not checked this time")
@@ -127,9 +128,9 @@ def _changed_tasks(out: str) -> list[str]:
     return names
 
 
-def _wheel_digest() -> str:
+def _wheel_digest(arch: str) -> str:
     """sha256 of the edge-gateway wheel site.yml's first play built (the same source gives the same bytes)."""
-    (wheel,) = (CACHE / "wheels").glob("edge_gateway-*.whl")
+    (wheel,) = (CACHE / arch / "wheels").glob("edge_gateway-*.whl")
     return hashlib.sha256(wheel.read_bytes()).hexdigest()
 
 
