@@ -1,17 +1,25 @@
 """MQTT over WebSockets (MQTT 5.0 §6, MQTT 3.1.1 §6; issue 18): a thin adapter between a TCP or TLS connection and
 the same :class:`~gateway.server.protocol.MQTTProtocol` that plain listeners use, with the WebSocket protocol
-(RFC 6455) done by ``wsproto`` (sans-I/O).
+(RFC 6455) done by the ``websockets`` package's sans-I/O :class:`~websockets.server.ServerProtocol` (its C
+extension unmasks frames; docs/benchmarks.md has the figures that chose it over wsproto).
 
 - The HTTP upgrade is accepted on the listener's ``path`` only (``"/mqtt"`` by default; the query string is
-  ignored); any other path is answered ``404 Not Found``, a request that is not a WebSocket upgrade ``400``. Of the
-  subprotocols a client offers, the first of ``mqtt`` (MQTT 3.1.1 and 5.0) and ``mqttv3.1`` (older clients) is
-  selected; a client offering neither, or none, is accepted without one (as EMQX's default
-  ``fail_if_no_subprotocol = false``).
+  ignored); any other path is answered ``404 Not Found``, a request that is not a WebSocket upgrade (or that
+  cannot be parsed) ``400 Bad Request``, with the reason as the body. Of the subprotocols a client offers, the
+  first of ``mqtt`` (MQTT 3.1.1 and 5.0) and ``mqttv3.1`` (older clients) is selected; a client offering neither,
+  or none, is accepted without one (as EMQX's default ``fail_if_no_subprotocol = false``). No extension is
+  negotiated: permessage-deflate, which browsers offer, is declined (MQTT packets are small, and compressing
+  costs CPU per frame and a compression context per connection).
 - Once upgraded, the payload of binary frames is handed to the broker as a byte stream: a frame may hold part of an
-  MQTT packet or several, and the broker's codec reassembles them exactly as from TCP. Everything the broker
-  writes goes out as one binary frame per write (one per connection per flush: :meth:`BrokerIO.flush`).
-  A text frame closes the connection (MQTT-6.0.0-1); pings are answered; a Close frame is answered and the
-  connection closed.
+  MQTT packet or several, and the broker's codec reassembles them exactly as from TCP; a fragmented message's
+  continuation frames are part of the stream. All the frames of one read go to the broker in one call. A frame
+  longer than the listener's ``max_packet_size`` (bytes) closes the connection with 1009 (Message Too Big): the
+  library holds a whole frame before handing it over, so this bounds a connection's memory as the codec does on
+  TCP. Everything the broker writes goes out as one binary frame per write (one per connection per flush:
+  :meth:`BrokerIO.flush`).
+- A text frame closes the connection with 1003 (MQTT-6.0.0-1); a frame the library finds invalid (not masked, bad
+  opcode, ...) with 1002; pings are answered (by the library); a Close frame is answered and the connection
+  closed. The broker sends no WebSocket pings of its own: MQTT's keep alive (PINGREQ) covers idle connections.
 - Every broker feature works the same, because the broker sees an :class:`MQTTProtocol` like any other: sessions,
   Receive Maximum, the store, authentication and ACLs (``use_identity_as_username`` from a ``wss`` client
   certificate), limits, flow control (``high_watermark``, ``send_timeout``, pausing publishers), and the
@@ -29,42 +37,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from wsproto import ConnectionType, WSConnection
-from wsproto.connection import ConnectionState
-from wsproto.events import (
-    AcceptConnection,
-    BytesMessage,
-    CloseConnection,
-    Ping,
-    RejectConnection,
-    RejectData,
-    Request,
-    TextMessage,
-)
-from wsproto.utilities import LocalProtocolError, RemoteProtocolError
+from websockets.frames import BINARY, CONT, TEXT, Frame
+from websockets.http11 import Request
+from websockets.protocol import CLOSED, CONNECTING, OPEN
+from websockets.server import ServerProtocol
 
 from gateway.auth.tls import peer_common_name
 from gateway.broker.limits import ZoneLimits
 from gateway.server.protocol import BrokerIO, MQTTProtocol
 
 log = logging.getLogger("gateway.server")
+#: The library's own per-connection lines ("connection open", "connection closed") name no peer and no client;
+#: ours do. Its warnings and errors still come through.
+library_log = logging.getLogger("gateway.server.websocket")
+library_log.setLevel(logging.WARNING)
 
 #: The WebSocket subprotocols selected, in the order of preference when a client offers several (MQTT 5.0 §6.0:
 #: "mqtt"; MQTT 3.1 clients such as older Paho JavaScript ask for "mqttv3.1").
 SUBPROTOCOLS = ("mqtt", "mqttv3.1")
-#: RFC 6455 §7.4.1: 1000 normal closure, 1003 unsupported data (a text frame), 1002 protocol error.
+#: RFC 6455 §7.4.1: 1000 normal closure, 1003 unsupported data (a text frame).
 CLOSE_NORMAL, CLOSE_UNSUPPORTED_DATA = 1000, 1003
+#: Seconds a rejected upgrade's connection stays open after the response and a FIN, so the client reads the answer.
+REJECT_LINGER = 1.0
 
 
-def select_subprotocol(offered: list[str]) -> str | None:
+def select_subprotocol(offered: Sequence[str]) -> str | None:
     """The subprotocol to answer for the client's ``Sec-WebSocket-Protocol`` list: the first it offers of
     :data:`SUBPROTOCOLS` (case as offered), or None (the upgrade is accepted without one)."""
     for name in offered:
         if name.lower() in SUBPROTOCOLS:
             return name
     return None
+
+
+def _select(_protocol: ServerProtocol, offered: Sequence[str]) -> str | None:
+    return select_subprotocol(offered)
 
 
 class WebSocketTransport:
@@ -74,17 +84,23 @@ class WebSocketTransport:
 
     __slots__ = ("raw", "ws")
 
-    def __init__(self, raw: Any, ws: WSConnection) -> None:
+    def __init__(self, raw: Any, ws: ServerProtocol) -> None:
         self.raw = raw
         self.ws = ws
 
     def write(self, data: bytes) -> None:
-        if self.ws.state is ConnectionState.OPEN and not self.raw.is_closing():
-            self.raw.write(self.ws.send(BytesMessage(data=data)))
+        ws = self.ws
+        if ws.state is OPEN and not self.raw.is_closing():
+            ws.send_binary(data)
+            for chunk in ws.data_to_send():
+                self.raw.write(chunk)
 
     def _send_close(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
-        if self.ws.state is ConnectionState.OPEN and not self.raw.is_closing():
-            self.raw.write(self.ws.send(CloseConnection(code=code, reason=reason)))
+        ws = self.ws
+        if ws.state is OPEN and not self.raw.is_closing():
+            ws.send_close(code, reason)
+            for chunk in ws.data_to_send():
+                self.raw.write(chunk)
 
     def is_closing(self) -> bool:
         return bool(self.raw.is_closing())
@@ -128,7 +144,8 @@ class WebSocketProtocol(asyncio.Protocol):
 
     Args:
         io: the broker's I/O side.
-        limits: the listener's zone limits (``connect_timeout``, seconds, bounds the upgrade too).
+        limits: the listener's zone limits (``connect_timeout``, seconds, bounds the upgrade too;
+            ``max_packet_size``, bytes, bounds a frame).
         listener: the listener's name.
         path: the upgrade path (``ListenerConfig.path``).
         accepted_at: when the TCP connection was accepted (seconds since the epoch; for ``wss`` the TLS handshake
@@ -145,7 +162,13 @@ class WebSocketProtocol(asyncio.Protocol):
         self.listener = listener
         self.path = path
         self.accepted_at = accepted_at
-        self.ws = WSConnection(ConnectionType.SERVER)
+        # max_size: no bound on a (fragmented) message, which is only part of the byte stream; each frame at most
+        # max_packet_size. No extensions: permessage-deflate is declined. No origins check (any page may connect).
+        self.ws = ServerProtocol(
+            select_subprotocol=_select,
+            max_size=(None, limits.max_packet_size),
+            logger=library_log,
+        )
         self.raw: Any = None
         self.wst: WebSocketTransport | None = None
         self.mqtt: MQTTProtocol | None = None
@@ -174,33 +197,17 @@ class WebSocketProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         ws, raw = self.ws, self.raw
-        if ws.state is ConnectionState.CLOSED or raw is None:
+        if raw is None or ws.state is CLOSED:
             return  # lingering after the close: discard
-        try:
-            ws.receive_data(data)
-            self._handle_events()
-        except RemoteProtocolError as exc:  # a bad HTTP upgrade request
-            self._reject(
-                exc.event_hint if isinstance(exc.event_hint, RejectConnection) else RejectConnection(),
-                f"bad WebSocket upgrade: {exc}",
-            )
-        except LocalProtocolError:
-            raw.close()
-
-    def _handle_events(self) -> None:
-        ws, raw = self.ws, self.raw
+        ws.receive_data(data)
+        events = ws.events_received()
         chunks: list[bytes] = []
-        more = True
-        while more:  # an accepted upgrade may leave frames that came with the request: look again
-            more = False
-            for event in ws.events():
-                if isinstance(event, BytesMessage):
+        for event in events:
+            if type(event) is Frame:
+                opcode = event.opcode
+                if opcode is BINARY or opcode is CONT:
                     chunks.append(event.data)
-                elif isinstance(event, Request):
-                    more = self._upgrade(event)
-                elif isinstance(event, Ping):
-                    raw.write(ws.send(event.response()))
-                elif isinstance(event, TextMessage):
+                elif opcode is TEXT:
                     # MQTT-6.0.0-1: packets come in binary frames; any other data frame closes the connection
                     self._deliver(chunks)
                     log.info(
@@ -208,46 +215,86 @@ class WebSocketProtocol(asyncio.Protocol):
                         self.peer,
                         self.listener,
                     )
-                    raw.write(ws.send(CloseConnection(code=CLOSE_UNSUPPORTED_DATA, reason="binary frames only")))
-                    raw.close()
+                    if ws.state is OPEN:
+                        ws.fail(CLOSE_UNSUPPORTED_DATA, "binary frames only")
+                    self._write_out(linger=False)
                     return
-                elif isinstance(event, CloseConnection):
-                    self._deliver(chunks)
-                    if ws.state is ConnectionState.REMOTE_CLOSING:
-                        raw.write(ws.send(event.response()))
-                    raw.close()
-                    return
-        self._deliver(chunks)
+                # PING (the library queued the PONG), PONG: nothing to do; CLOSE: the library queued the answer
+                # and a FIN, and ignores what follows (handled below)
+            elif isinstance(event, Request) and not self._upgrade(event):
+                return
+        if chunks:
+            self._deliver(chunks)
+        if ws.writes:  # a PONG, the answer to a Close, a Close for a bad frame, or a refused upgrade
+            if ws.parser_exc is not None and ws.state is not CONNECTING and self.mqtt is not None:
+                log.info("%s (listener %r): WebSocket error: %s; closed", self.peer, self.listener, ws.parser_exc)
+            self._write_out(linger=ws.state is CONNECTING)
+
+    def _write_out(self, linger: bool) -> None:
+        """Write what the library queued; its FIN (``b""``) ends the connection: a half-close that keeps reading for
+        :data:`REJECT_LINGER` seconds when ``linger`` (a refused upgrade's answer is read), else a close."""
+        raw, ws = self.raw, self.ws
+        out = ws.data_to_send()
+        if ws.state is CONNECTING and ws.handshake_exc is not None and not any(out):
+            # an unparseable request: the library just ends the connection; answer 400 with its reason
+            response = ws.reject(400, f"bad WebSocket upgrade request: {_reason(ws.handshake_exc)}\n")
+            raw.write(response.serialize())
+            log.debug(
+                "%s (listener %r): bad WebSocket upgrade request (%s); answered 400",
+                self.peer,
+                self.listener,
+                _reason(ws.handshake_exc),
+            )
+        for chunk in out:
+            if chunk:
+                raw.write(chunk)
+                continue
+            if linger and raw.can_write_eof():
+                raw.write_eof()  # the response is read before the close
+                self.io.loop.call_later(REJECT_LINGER, raw.close)
+            else:
+                raw.close()
+            return
 
     def _deliver(self, chunks: list[bytes]) -> None:
         if chunks and self.mqtt is not None:
             self.mqtt.data_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
             chunks.clear()
-            # Write what this read produced now rather than at the end of the loop turn: decoding frames costs far
-            # more per packet than MQTT alone, and uvloop reads up to 32 times per socket in one turn, so a turn
-            # can take seconds; subscribers would get nothing meanwhile, and their write buffers would not report
-            # congestion (high_watermark) in time to hold publishers back.
+            # Write what this read produced now rather than at the end of the loop turn: decoding frames costs more
+            # per packet than MQTT alone, and uvloop reads up to 32 times per socket in one turn, so a turn can take
+            # long; subscribers would get nothing meanwhile, and their write buffers would not report congestion
+            # (high_watermark) in time to hold publishers back.
             self.io.flush()
 
     def _upgrade(self, request: Request) -> bool:
         """Accept the upgrade on the listener's path (a new :class:`MQTTProtocol` takes the connection) or answer
-        404. Returns True when accepted."""
-        path = request.target.split("?", 1)[0]
+        404 (another path) or 400 (not a valid WebSocket upgrade). Returns True when accepted."""
+        ws = self.ws
+        path = request.path.split("?", 1)[0]
         if path != self.path:
-            self._reject(
-                RejectConnection(
-                    status_code=404, has_body=True, headers=[(b"content-type", b"text/plain; charset=utf-8")]
-                ),
-                f"no WebSocket endpoint at {path!r} (this listener's path is {self.path!r})",
-                body=True,
-            )
+            why = f"no WebSocket endpoint at {path!r} (this listener's path is {self.path!r})"
+            ws.send_response(ws.reject(404, why + "\n"))
+            log.debug("%s (listener %r): %s; answered 404", self.peer, self.listener, why)
+            self._write_out(linger=True)
             return False
+        response = ws.accept(request)
+        if response.status_code != 101:
+            # not an upgrade (a plain GET), a bad key or version, another method: 400 with the library's reason
+            why = _reason(ws.handshake_exc)
+            ws.send_response(ws.reject(400, f"bad WebSocket upgrade request: {why}\n"))
+            log.debug(
+                "%s (listener %r): bad WebSocket upgrade request (%s); answered 400", self.peer, self.listener, why
+            )
+            self._write_out(linger=True)
+            return False
+        ws.send_response(response)
         raw = self.raw
-        raw.write(self.ws.send(AcceptConnection(subprotocol=select_subprotocol(request.subprotocols))))
+        for chunk in ws.data_to_send():
+            raw.write(chunk)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self.wst = WebSocketTransport(raw, self.ws)
+        self.wst = WebSocketTransport(raw, ws)
         mqtt = self.mqtt = MQTTProtocol(self.io, self.limits, self.listener)
         mqtt.connection_made(self.wst)
         conn = mqtt.conn
@@ -256,23 +303,6 @@ class WebSocketProtocol(asyncio.Protocol):
             conn.opened_at = self.accepted_at  # CONNECT's deadline counts from the accept, upgrade included
             conn.cert_cn = peer_common_name(raw.get_extra_info("peercert"))  # wss with a client certificate
         return True
-
-    def _reject(self, event: RejectConnection, why: str, body: bool = False) -> None:
-        raw = self.raw
-        log.debug("%s (listener %r): %s; answered %d", self.peer, self.listener, why, event.status_code)
-        if body and not event.has_body:
-            event = RejectConnection(status_code=event.status_code, headers=event.headers, has_body=True)
-        try:
-            raw.write(self.ws.send(event))
-            if event.has_body:
-                raw.write(self.ws.send(RejectData(data=(why + "\n").encode())))
-        except LocalProtocolError:
-            pass
-        if raw.can_write_eof():
-            raw.write_eof()  # the response is read before the close
-            self.io.loop.call_later(1.0, raw.close)
-        else:
-            raw.close()
 
     def pause_writing(self) -> None:
         if self.mqtt is not None:
@@ -289,3 +319,12 @@ class WebSocketProtocol(asyncio.Protocol):
         if self.mqtt is not None:
             self.mqtt.connection_lost(exc)
         self.raw = None
+
+
+def _reason(exc: BaseException | None) -> str:
+    """The library's explanation of a failed handshake, causes included."""
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__
+    return "; ".join(p for p in parts if p) or "invalid request"
