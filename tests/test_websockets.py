@@ -4,10 +4,12 @@
 - paho-mqtt with ``transport="websockets"``: QoS 1 both ways (MQTT 3.1.1 and 5.0), mixed with TCP clients; a
   persistent session resumed over WebSockets after a broker restart (its queued messages come from the store);
   ``wss`` with and without a client certificate (``use_identity_as_username``).
-- A raw client (a TCP socket and wsproto's client side): the HTTP upgrade (subprotocol selected, 404 on another
-  path, 400 for a plain GET), packets split across frames and several packets in one frame (MQTT-6.0.0-2), a text
-  frame closes the connection (MQTT-6.0.0-1), Receive Maximum holds over WebSockets, ``connect_timeout`` bounds
-  the upgrade and the CONNECT.
+- A raw client (a TCP socket and wsproto's client side, an implementation independent of the listener's
+  ``websockets``): the HTTP upgrade (subprotocol selected, 404 on another path, 400 for a plain GET or a bad
+  request, permessage-deflate declined), packets split across frames and several packets in one frame
+  (MQTT-6.0.0-2), a text frame closes the connection (MQTT-6.0.0-1), pings answered and the close handshake, a
+  frame too long or unmasked closes with 1009 / 1002, Receive Maximum holds over WebSockets, ``connect_timeout``
+  bounds the upgrade and the CONNECT.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from wsproto.events import (
     AcceptConnection,
     BytesMessage,
     CloseConnection,
+    Ping,
+    Pong,
     RejectConnection,
     RejectData,
     Request,
@@ -236,16 +240,24 @@ class RawWsClient:
         self.sock.close()
 
 
-def raw_upgrade(port: int, path: str = "/mqtt", protocols: str | None = "mqtt", upgrade: bool = True) -> str:
-    """Send a hand-written HTTP/1.1 request; return the response head (status line and headers)."""
+def raw_upgrade(
+    port: int, path: str = "/mqtt", protocols: str | None = "mqtt", upgrade: bool = True, extra: str = ""
+) -> str:
+    """Send a hand-written HTTP/1.1 request (``extra``: more header lines, each ending in CRLF); return the response
+    head (status line and headers)."""
     head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
     if upgrade:
         head += "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
         head += "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
     if protocols is not None:
         head += f"Sec-WebSocket-Protocol: {protocols}\r\n"
+    return raw_request(port, head + extra + "\r\n")
+
+
+def raw_request(port: int, text: str) -> str:
+    """Send ``text`` as it is; return the response head (up to the blank line, or all that came before the close)."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall((head + "\r\n").encode())
+        sock.sendall(text.encode())
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = sock.recv(4096)
@@ -418,6 +430,24 @@ def test_other_paths_are_answered_404_and_a_plain_get_400(ws_broker: BrokerProce
     body = client._next_event(lambda e: isinstance(e, RejectData))
     assert b"/nope" in body.data
     client.close()
+    # not HTTP at all, and an upgrade whose key is not 16 bytes of base64: 400 with the reason
+    assert raw_request(ws_broker.ports["ws"], "hello there\r\n\r\n").startswith("HTTP/1.1 400 ")
+    bad_key = raw_request(
+        ws_broker.ports["ws"],
+        "GET /mqtt HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: short\r\n\r\n",
+    )
+    assert bad_key.startswith("HTTP/1.1 400 "), bad_key
+
+
+def test_permessage_deflate_offered_by_a_browser_is_declined(ws_broker: BrokerProcess) -> None:
+    """Browsers offer permessage-deflate in every upgrade; the listener accepts the upgrade without it (no
+    Sec-WebSocket-Extensions in the answer), so every frame stays uncompressed."""
+    response = raw_upgrade(
+        ws_broker.ports["ws"], extra="Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n"
+    )
+    assert response.startswith("HTTP/1.1 101 "), response
+    assert header(response, "Sec-WebSocket-Extensions") is None, response
 
 
 # ---------------------------------------------------------------------------------------------- frames
@@ -460,6 +490,49 @@ def test_mqtt_6_0_0_1_a_text_frame_closes_the_connection(ws_broker: BrokerProces
     assert client.closed()
     client.close()
     assert "MQTT-6.0.0-1" in wait_until(lambda: ws_broker.log() if "text frame" in ws_broker.log() else "")
+
+
+def test_a_ping_is_answered_and_a_close_is_answered_then_the_connection_closes(ws_broker: BrokerProcess) -> None:
+    """RFC 6455 §5.5.2-3 and §5.5.1: a Ping gets a Pong with its payload, between MQTT packets; the client's Close
+    (1000) is echoed and the broker closes the TCP connection."""
+    client = RawWsClient(ws_broker.ports["ws"], version=4)
+    client.send_frames(Connect(f"ping-{uuid.uuid4().hex[:8]}", 4, True, 30).encode(4))
+    assert isinstance(client.recv(), Connack)
+    client.sock.sendall(client.ws.send(Ping(payload=b"are you there")))
+    pong = client._next_event(lambda e: isinstance(e, Pong))
+    assert pong.payload == b"are you there"
+    client.send_frames(PingReq().encode(4))
+    assert isinstance(client.recv(), PingResp)  # MQTT goes on after the WebSocket ping
+    client.sock.sendall(client.ws.send(CloseConnection(code=1000, reason="bye")))
+    close = client._next_event(lambda e: isinstance(e, CloseConnection))
+    assert close.code == 1000
+    assert client.closed()
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        # a binary frame announcing 1 MiB + 1 bytes (the listener's max_packet_size is 1 MiB): 1009 Message Too Big,
+        # before its payload arrives
+        (b"\x82\xff" + (1024 * 1024 + 1).to_bytes(8, "big") + b"\x01\x02\x03\x04", 1009),
+        (b"\x82\x02ab", 1002),  # not masked (RFC 6455 §5.1): 1002 Protocol Error
+    ],
+    ids=["too-long", "unmasked"],
+)
+def test_a_frame_the_listener_refuses_closes_the_connection(ws_broker: BrokerProcess, frame: bytes, code: int) -> None:
+    """A frame longer than the listener's ``max_packet_size`` (the library holds a whole frame before handing it
+    over, so this bounds a connection's memory), or an unmasked one, closes the connection with the WebSocket close
+    code that says why; the broker logs it."""
+    client = RawWsClient(ws_broker.ports["ws"], version=4)
+    client.send_frames(Connect(f"refused-{uuid.uuid4().hex[:8]}", 4, True, 30).encode(4))
+    assert isinstance(client.recv(), Connack)
+    client.sock.sendall(frame)
+    close = client._next_event(lambda e: isinstance(e, CloseConnection))
+    assert close.code == code
+    assert client.closed()
+    client.close()
+    wait_until(lambda: "WebSocket error" in ws_broker.log(), what=ws_broker.log)
 
 
 def test_receive_maximum_holds_over_websockets(ws_broker: BrokerProcess) -> None:
