@@ -21,14 +21,16 @@ Mosquitto 2.0.11 (Debian bookworm) exits with "Unable to start any listening soc
 websockets one, so its configuration has a second, unused, plain TCP listener; and its websockets listener binds
 ``[::]`` (every interface) whatever host is given unless ``socket_domain ipv4`` is set (then 127.0.0.1).
 
-Writes the table to bench/results/websockets.md. (Not named websockets.py: bench/ is first on sys.path of the
-scripts in it, and amqtt imports the ``websockets`` package.)
+edge-gateway's side is gateway/server/websocket.py: the ``websockets`` package's sans-I/O ``ServerProtocol`` (its
+version is in the table). Writes the table to bench/results/websockets.md. (Not named websockets.py: bench/ is
+first on sys.path of the scripts in it, and amqtt imports the ``websockets`` package.)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import multiprocessing as mp
 import os
 import platform
@@ -299,6 +301,10 @@ def main() -> int:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     vers = versions()
+    try:  # edge-gateway's WebSocket layer (gateway/server/websocket.py)
+        vers["edge-gateway"] = f"{vers.get('edge-gateway', '')} (websockets {importlib.metadata.version('websockets')})"
+    except importlib.metadata.PackageNotFoundError:
+        pass
     for kind in kinds:
         rs = results[kind]
         rates = [r["rate"] for r in rs]
