@@ -8,7 +8,8 @@ not Debian's archive (third-party repositories, other distributions) are skipped
 component and serve a Debian suite (a codename with or without -updates/-security/-backports) from a path ending in
 /debian or /debian-security.
 
-Usage: apt-sources.py [--suite bookworm] [--root /]   (exit 1 with a message when no Debian mirror is configured)
+Usage: apt-sources.py [--suite bookworm] [--root /] [--components "main non-free-firmware"]
+(exit 1 with a message when no Debian mirror is configured)
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="bookworm")
     parser.add_argument("--root", default="/", help="read the apt sources of this root (default /)")
+    parser.add_argument("--components", default="main",
+                        help='the image\'s components (default "main"; the arm64 image adds "non-free-firmware" for '
+                             "raspi-firmware)")
     args = parser.parse_args()
     archive, security = mirrors(Path(args.root))
     if archive is None:
@@ -80,10 +84,10 @@ def main() -> int:
               ".../debian with component main)", file=sys.stderr)
         return 1
     keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
-    print(f"Types: deb\nURIs: {archive}\nSuites: {args.suite} {args.suite}-updates\nComponents: main\n"
+    print(f"Types: deb\nURIs: {archive}\nSuites: {args.suite} {args.suite}-updates\nComponents: {args.components}\n"
           f"Signed-By: {keyring}")
     if security:
-        print(f"\nTypes: deb\nURIs: {security}\nSuites: {args.suite}-security\nComponents: main\n"
+        print(f"\nTypes: deb\nURIs: {security}\nSuites: {args.suite}-security\nComponents: {args.components}\n"
               f"Signed-By: {keyring}")
     return 0
 

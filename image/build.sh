@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# `make image`: a bootable Debian bookworm gateway root filesystem, provisioned with ansible/site.yml.
+# `make image [ARCH=amd64|arm64]`: a flashable Debian bookworm gateway disk image, provisioned with ansible/site.yml.
 #
-#   build/appliance/base.tar        mmdebstrap output (cached; rebuilt when this script or the package list changes)
-#   build/appliance/rootfs/         the root filesystem, provisioned through Ansible's chroot connection
-#   build/appliance/edge-gateway.ext4, vmlinuz, initrd.img     what gets flashed / booted
+#   build/appliance/base-ARCH-KEY.tar        mmdebstrap output (cached; keyed by this recipe, the packages, the sources)
+#   build/appliance/rootfs-ARCH/             the root filesystem, provisioned through Ansible's chroot connection
+#   build/appliance/edge-gateway-ARCH.img    the disk: MBR with 1 boot (FAT32, EG-BOOT), 2 root (ext4, eg-root,
+#                                            mounted read-only), 3 data (ext4, eg-data, /var/lib/edge-gateway)
+#   build/appliance/edge-gateway-ARCH.img.bmap      for `bmaptool copy`
+#   build/appliance/edge-gateway-ARCH-root.ext4     the root partition alone: re-flash it and the data partition stays
 #
+# The boot partition holds the kernel and initrd (and on arm64 the Raspberry Pi firmware, config.txt, cmdline.txt
+# and device trees, as Debian's raspi images have them); `make image-test` boots the kernel and initrd it finds there.
 # Runs as root (mmdebstrap --mode=root, chroot, files owned by system users). mmdebstrap's temporary mounts of
-# /proc, /sys and /dev live in a private mount namespace (unshare), so none can outlive the build; nothing is
-# installed or registered on the host, and everything is written under build/appliance/.
+# /proc, /sys and /dev live in a private mount namespace (unshare), so none can outlive the build. No loop device and
+# no mount: the file systems are made from directories (mkfs.ext4 -d, mkfs.vfat + mcopy) and put into the disk with
+# dd at the offsets sfdisk gave them. A foreign ARCH runs its maintainer scripts and the provisioning under qemu-user:
+# binfmt_misc entries named edge-gateway-image-CPU-PID are registered for the build (through a private mount of
+# binfmt_misc: the host's stays as it is) and removed when it ends, also on failure.
 set -euo pipefail
 {  # the whole script is read before it runs: editing it during a build cannot break that build
 
@@ -16,24 +24,80 @@ OUT=${IMAGE_OUT:-$ROOT_DIR/build/appliance}
 SUITE=bookworm
 ARCH=${IMAGE_ARCH:-amd64}
 VENV_BIN=${VENV_BIN:-$ROOT_DIR/.venv/bin}
-IMAGE_SIZE_SLACK_MB=${IMAGE_SIZE_SLACK_MB:-256}
+# The root partition has a fixed size, so the root of a later build fits it (re-flash the root, keep the data).
+IMAGE_ROOT_MB=${IMAGE_ROOT_MB:-2048}
+# The data partition: the LMDB store (store.max_size 1GB in the image inventory) and its headroom.
+IMAGE_DATA_MB=${IMAGE_DATA_MB:-1280}
+IMAGE_BOOT_MB=256
 PACKAGES=(systemd systemd-sysv udev kmod e2fsprogs python3 python3-venv python3-packaging python3-apt mosquitto-clients
           initramfs-tools linux-image-"$ARCH")
+COMPONENTS=main
+case "$ARCH" in
+    amd64) QEMU_CPU=x86_64 ;;
+    arm64) QEMU_CPU=aarch64; PACKAGES+=(raspi-firmware dosfstools); COMPONENTS="main non-free-firmware" ;;
+    *) printf 'image: ARCH=%s: must be amd64 or arm64\n' "$ARCH" >&2; exit 2 ;;
+esac
 
 log() { printf '[image %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { printf 'image: %s\n' "$*" >&2; exit 1; }
+stage_start=$SECONDS
+stage() {  # stage NAME: prints the time the previous stage took
+    [ -z "${stage_name:-}" ] || log "stage $stage_name: $((SECONDS - stage_start)) s"
+    stage_name=$1; stage_start=$SECONDS
+    [ "$1" = done ] || log "stage $1"
+}
 
 [ "$(id -u)" = 0 ] || die "run as root (mmdebstrap --mode=root, chroot provisioning)"
-command -v mmdebstrap >/dev/null || die "mmdebstrap is missing: make image-deps (apt-get install mmdebstrap)"
-command -v mkfs.ext4 >/dev/null || die "mkfs.ext4 is missing: apt-get install e2fsprogs"
+for tool in mmdebstrap mkfs.ext4 mkfs.vfat mcopy sfdisk bmaptool; do
+    command -v "$tool" >/dev/null || die "$tool is missing: make image-deps"
+done
 [ -x "$VENV_BIN/ansible-playbook" ] || die "$VENV_BIN/ansible-playbook is missing: make venv (the deploy extra)"
 
 mkdir -p "$OUT"
+# What the build wrote before the partitioned images (a bare ext4 root with its kernel and initrd beside it).
+rm -rf "$OUT/edge-gateway.ext4" "$OUT/vmlinuz" "$OUT/initrd.img" "$OUT/wheels" "$OUT/provision-1.log" \
+    "$OUT/provision-2.log" "$OUT/bookworm.sources" "$OUT/serial.log" "$OUT/serial-boot2.log"
+exec 9> "$OUT/.build-$ARCH.lock"
+flock -n 9 || die "another image build for $ARCH is running in $OUT"
 start=$SECONDS
 
+# ---------------------------------------------------------------------------------------------- 0. qemu-user
+binfmt_names=()
+binfmt_holder=
+binfmt_cleanup() {
+    for name in "${binfmt_names[@]}"; do
+        printf -- -1 > "/proc/$binfmt_holder/root/proc/sys/fs/binfmt_misc/$name" 2>/dev/null \
+            || printf 'image: could not remove the binfmt_misc entry %s\n' "$name" >&2
+    done
+    if [ -n "$binfmt_holder" ]; then kill "$binfmt_holder" 2>/dev/null; wait "$binfmt_holder" 2>/dev/null; fi
+    return 0
+}
+trap binfmt_cleanup EXIT
+if [ "$(dpkg --print-architecture)" != "$ARCH" ]; then
+    conf=/usr/lib/binfmt.d/qemu-$QEMU_CPU.conf
+    [ -f "$conf" ] || die "$conf is missing: make image-deps (qemu-user-static)"
+    # binfmt_misc mounted in a private mount namespace held open for the whole build: an entry lives only as long as
+    # some mount of binfmt_misc does (Linux >= 6.7 drops the entries with the file system), and the host's
+    # /proc/sys/fs/binfmt_misc stays as it is. The holder is killed by its PID at the end.
+    unshare --mount --propagation private -- sh -c \
+        'mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc && exec sleep infinity' &
+    binfmt_holder=$!
+    fs=/proc/$binfmt_holder/root/proc/sys/fs/binfmt_misc
+    for _ in $(seq 100); do [ -e "$fs/register" ] && break; sleep 0.1; done
+    [ -e "$fs/register" ] || die "cannot mount binfmt_misc in a private mount namespace"
+    IFS=: read -r _ _ kind offset magic mask interpreter flags < "$conf"
+    name=edge-gateway-image-$QEMU_CPU-$$
+    # F: the interpreter is opened now, so it works inside the chroot too.
+    printf '%s' ":$name:$kind:$offset:$magic:$mask:$interpreter:${flags//F/}F" > "$fs/register" \
+        || die "cannot register qemu-$QEMU_CPU with binfmt_misc"
+    binfmt_names+=("$name")
+    log "qemu-user: registered binfmt_misc entry $name ($interpreter) for this build"
+fi
+
 # ---------------------------------------------------------------------------------------------- 1. base system
-sources="$OUT/$SUITE.sources"
-python3 "$ROOT_DIR/image/apt-sources.py" --suite "$SUITE" > "$sources.new"
+stage base
+sources="$OUT/$SUITE-$ARCH.sources"
+python3 "$ROOT_DIR/image/apt-sources.py" --suite "$SUITE" --components "$COMPONENTS" > "$sources.new"
 mv "$sources.new" "$sources"
 # The cache key: what goes into the base (bump BASE_RECIPE when the mmdebstrap options below change).
 BASE_RECIPE=1
@@ -51,44 +115,69 @@ if [ ! -f "$base" ]; then
             --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
             "$SUITE" "$base.part.tar" "$sources"
     mv "$base.part.tar" "$base"
-    log "base system built ($((SECONDS - start)) s)"
+    log "base system built: $base"
 else
     log "base system: cached $base"
 fi
 
 # ---------------------------------------------------------------------------------------------- 2. root filesystem
-rootfs="$OUT/rootfs"
-rm -rf "$rootfs"
+stage rootfs
+rootfs="$OUT/rootfs-$ARCH"
+rm -rf "$rootfs" "$OUT/rootfs"  # (rootfs/: the name before the arm64 image)
 mkdir -p "$rootfs"
 tar --xattrs --xattrs-include='*' --numeric-owner -xpf "$base" -C "$rootfs"
 echo edge-gateway > "$rootfs/etc/hostname"
 printf '127.0.0.1\tlocalhost\n127.0.1.1\tedge-gateway\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' \
     > "$rootfs/etc/hosts"
-printf '# <file system>\t<mount point>\t<type>\t<options>\t<dump>\t<pass>\nLABEL=edge-gateway\t/\text4\tdefaults,noatime\t0\t1\n' \
-    > "$rootfs/etc/fstab"
-: > "$rootfs/etc/machine-id"   # each board makes its own on first boot
+# The root is read-only (README "Read-only root"): what must be written at run time is on the data partition
+# (/var/lib/edge-gateway: the store) or in memory (/tmp, /var/tmp, /run; the journal is volatile, in /run).
+cat > "$rootfs/etc/fstab" <<'FSTAB'
+# <file system>	<mount point>	<type>	<options>	<dump>	<pass>
+LABEL=eg-root	/	ext4	ro,noatime	0	1
+LABEL=eg-data	/var/lib/edge-gateway	ext4	rw,noatime,nodev,nosuid,noexec	0	2
+LABEL=EG-BOOT	/boot/firmware	vfat	ro,nofail,noatime,umask=0022	0	2
+tmpfs	/tmp	tmpfs	mode=1777,nosuid,nodev,size=64M	0	0
+tmpfs	/var/tmp	tmpfs	mode=1777,nosuid,nodev,size=16M	0	0
+FSTAB
+# An empty machine-id on a read-only root: systemd makes a new one each boot and mounts it from /run.
+: > "$rootfs/etc/machine-id"
 rm -f "$rootfs/var/lib/dbus/machine-id"
+mkdir -p "$rootfs/boot/firmware" "$rootfs/var/lib/edge-gateway"
+if [ "$ARCH" = arm64 ]; then
+    # raspi-firmware's own hooks (kernel upgrades on a board) write cmdline.txt with this root.
+    printf 'ROOTPART=LABEL=eg-root\nCONSOLES="tty0 ttyS1,115200"\n' > "$rootfs/etc/default/raspi-firmware"
+fi
 
 # ---------------------------------------------------------------------------------------------- 3. provisioning
-export ANSIBLE_CONFIG="$ROOT_DIR/ansible/ansible.cfg"
+stage provisioning
+# The playbook and the wheels come from a snapshot of the working tree taken now (tracked and untracked files, not
+# the ignored ones): both runs see the same sources, and the second one must change nothing.
+src="$OUT/src-$ARCH"
+rm -rf "$src"
+mkdir -p "$src"
+git -C "$ROOT_DIR" ls-files -z --cached --others --exclude-standard \
+    | tar -C "$ROOT_DIR" --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$src" -xf -
+export ANSIBLE_CONFIG="$src/ansible/ansible.cfg"
 export ANSIBLE_HOME="$OUT/ansible-home" ANSIBLE_LOCAL_TEMP="$OUT/ansible-home/tmp"
 export ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 PATH="$VENV_BIN:$PATH"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # IMAGE_ANSIBLE_ARGS: more ansible-playbook arguments, e.g. "-e gateway_id=gw-harbour-07" for a per-board image.
 # shellcheck disable=SC2206
-playbook=(ansible-playbook -i "$ROOT_DIR/ansible/inventory/image" -e "image_root=$rootfs" -e "appliance_wheel_dir=$OUT/wheels"
-          ${IMAGE_ANSIBLE_ARGS:-} "$ROOT_DIR/ansible/site.yml")
+playbook=(ansible-playbook -i "$src/ansible/inventory/image" -e "image_root=$rootfs"
+          -e "appliance_wheel_dir=$OUT/wheels-$ARCH" ${IMAGE_ANSIBLE_ARGS:-} "$src/ansible/site.yml")
 log "provisioning with ansible/site.yml through the chroot connection"
-"${playbook[@]}" > "$OUT/provision-1.log" 2>&1 || { tail -40 "$OUT/provision-1.log"; die "provisioning failed"; }
-grep -A3 'PLAY RECAP' "$OUT/provision-1.log"
+"${playbook[@]}" > "$OUT/provision-$ARCH-1.log" 2>&1 || { tail -40 "$OUT/provision-$ARCH-1.log"; die "provisioning failed"; }
+grep -A3 'PLAY RECAP' "$OUT/provision-$ARCH-1.log"
 log "provisioning again: must report changed=0"
-"${playbook[@]}" > "$OUT/provision-2.log" 2>&1 || { tail -40 "$OUT/provision-2.log"; die "second provisioning failed"; }
-grep -A3 'PLAY RECAP' "$OUT/provision-2.log"
-if grep -E '^(image|localhost) .*changed=[1-9]' "$OUT/provision-2.log"; then
-    grep -B2 -E '^changed:' "$OUT/provision-2.log" | head -40
+"${playbook[@]}" > "$OUT/provision-$ARCH-2.log" 2>&1 || { tail -40 "$OUT/provision-$ARCH-2.log"; die "second provisioning failed"; }
+grep -A3 'PLAY RECAP' "$OUT/provision-$ARCH-2.log"
+if grep -E '^(image|localhost) .*changed=[1-9]' "$OUT/provision-$ARCH-2.log"; then
+    grep -B2 -E '^changed:' "$OUT/provision-$ARCH-2.log" | head -40
     die "the second run changed something: the playbook is not idempotent"
 fi
-rm -rf "$rootfs/root/.ansible" "$rootfs/tmp/"* 2>/dev/null || true
+rm -rf "$rootfs/root/.ansible" "$rootfs/tmp/"* "$src" 2>/dev/null || true
+# resolv.conf: whatever configures the network (a DHCP client, systemd-networkd + resolved) writes it to /run.
+ln -sfn ../run/resolv.conf "$rootfs/etc/resolv.conf"
 
 # ---------------------------------------------------------------------------------------------- 4. test probe
 # Inert unless the kernel command line asks for it (make image-test boots with systemd.wants=edge-gateway-probe.service).
@@ -96,16 +185,89 @@ install -D -m 0755 "$ROOT_DIR/image/probe/probe.sh" "$rootfs/usr/local/lib/edge-
 install -D -m 0644 "$ROOT_DIR/image/probe/edge-gateway-probe.service" \
     "$rootfs/etc/systemd/system/edge-gateway-probe.service"
 
-# ---------------------------------------------------------------------------------------------- 5. image
+# ---------------------------------------------------------------------------------------------- 5. partitions
+stage partitions
+parts="$OUT/parts-$ARCH"
+rm -rf "$parts"
+mkdir -p "$parts/boot" "$parts/data"
 kernel=$(find "$rootfs/boot" -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)
 initrd=$(find "$rootfs/boot" -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -1)
 [ -n "$kernel" ] && [ -n "$initrd" ] || die "no kernel/initrd in $rootfs/boot"
-cp "$kernel" "$OUT/vmlinuz"
-cp "$initrd" "$OUT/initrd.img"
+kver=${kernel##*/vmlinuz-}
+if [ "$ARCH" = arm64 ]; then
+    # As Debian's raspi images (raspi-firmware's z50-raspi-firmware hook): the firmware, the kernel and initrd by
+    # their versioned names, the Raspberry Pi device trees of the kernel, config.txt and cmdline.txt.
+    cp "$rootfs"/usr/lib/raspi-firmware/* "$parts/boot/"
+    cp "$kernel" "$initrd" "$parts/boot/"
+    cp "$rootfs/usr/lib/linux-image-$kver"/broadcom/bcm*rpi*.dtb "$parts/boot/"
+    cat > "$parts/boot/config.txt" <<CONFIG
+# edge-gateway image (image/build.sh), as Debian's raspi-firmware writes it. Boards: Raspberry Pi 3 B/B+, 4 B, CM4.
+[pi4]
+# Enable the audio output, I2C and SPI interfaces on the GPIO header.
+dtparam=audio=on
+dtparam=i2c_arm=on
+dtparam=spi=on
+max_framebuffers=2
+arm_boost=1
+
+[all]
+# Switch the CPU from ARMv7 into ARMv8 (aarch64) mode
+arm_64bit=1
+enable_uart=1
+# Debian's kernel with the upstream device trees (bcm2837-rpi-3-b.dtb, bcm2711-rpi-4-b.dtb, ...)
+upstream_kernel=1
+kernel=vmlinuz-$kver
+initramfs initrd.img-$kver followkernel
+CONFIG
+    echo "console=tty0 console=ttyS1,115200 root=LABEL=eg-root ro rootwait fsck.repair=yes net.ifnames=0 cma=64M" \
+        > "$parts/boot/cmdline.txt"
+else
+    cp "$kernel" "$parts/boot/vmlinuz"
+    cp "$initrd" "$parts/boot/initrd.img"
+fi
+# The boot partition's files stay in the root too (/boot); /boot/firmware and /var/lib/edge-gateway are mount points.
+# firmware-bridge keeps no state, but systemd makes its StateDirectory= at each start unless it is there as it wants
+# it (owner, 0750): on a read-only root it must be made now.
+bridge_ids=$(awk -F: '$1 == "firmware-bridge" {print $3 ":" $4}' "$rootfs/etc/passwd")
+[ -n "$bridge_ids" ] || die "no firmware-bridge user in the root"
+install -d -m 0750 -o "${bridge_ids%:*}" -g "${bridge_ids#*:}" "$rootfs/var/lib/firmware-bridge"
+find "$rootfs/boot/firmware" -mindepth 1 -delete
+cp -a "$rootfs/var/lib/edge-gateway/." "$parts/data/"
+find "$rootfs/var/lib/edge-gateway" -mindepth 1 -delete
 used_mb=$(du -sm --apparent-size "$rootfs" | cut -f1)
-size_mb=$(( (used_mb * 13 / 10) + IMAGE_SIZE_SLACK_MB ))
-rm -f "$OUT/edge-gateway.ext4"
-mkfs.ext4 -q -F -L edge-gateway -d "$rootfs" "$OUT/edge-gateway.ext4" "${size_mb}M"
-log "image: $OUT/edge-gateway.ext4 (${size_mb} MiB, $used_mb MiB used), kernel $(basename "$kernel"), $((SECONDS - start)) s in all"
+root_mb=$IMAGE_ROOT_MB
+[ $((used_mb * 12 / 10 + 64)) -le "$root_mb" ] || die "the root ($used_mb MiB) does not fit IMAGE_ROOT_MB=$root_mb MiB"
+mkfs.ext4 -q -F -L eg-root -d "$rootfs" "$parts/root.ext4" "${root_mb}M"
+mkfs.ext4 -q -F -L eg-data -d "$parts/data" "$parts/data.ext4" "${IMAGE_DATA_MB}M"
+boot_mb=$(du -sm --apparent-size "$parts/boot" | cut -f1)
+[ "$boot_mb" -lt $((IMAGE_BOOT_MB - 32)) ] || die "the boot files ($boot_mb MiB) do not fit $IMAGE_BOOT_MB MiB"
+mkfs.vfat -F 32 -n EG-BOOT -C "$parts/boot.vfat" $((IMAGE_BOOT_MB * 1024)) >/dev/null
+mcopy -i "$parts/boot.vfat" -s -p -Q "$parts/boot"/* ::/
+
+# ---------------------------------------------------------------------------------------------- 6. disk image
+stage disk
+img="$OUT/edge-gateway-$ARCH.img"
+rm -f "$img" "$img.bmap"
+first=4   # MiB before the first partition (the firmware and the SD card's erase blocks like 4 MiB alignment)
+total=$((first + IMAGE_BOOT_MB + root_mb + IMAGE_DATA_MB))
+truncate -s "${total}M" "$img"
+# MBR (the Raspberry Pi 3 boots from MBR only): 1 FAT32 LBA, bootable; 2 and 3 Linux.
+sfdisk --quiet --no-reread --no-tell-kernel "$img" <<SFDISK
+label: dos
+unit: sectors
+start=$((first * 2048)), size=$((IMAGE_BOOT_MB * 2048)), type=c, bootable
+start=$(((first + IMAGE_BOOT_MB) * 2048)), size=$((root_mb * 2048)), type=83
+start=$(((first + IMAGE_BOOT_MB + root_mb) * 2048)), size=$((IMAGE_DATA_MB * 2048)), type=83
+SFDISK
+dd if="$parts/boot.vfat" of="$img" bs=1M seek=$first conv=notrunc,sparse status=none
+dd if="$parts/root.ext4" of="$img" bs=1M seek=$((first + IMAGE_BOOT_MB)) conv=notrunc,sparse status=none
+dd if="$parts/data.ext4" of="$img" bs=1M seek=$((first + IMAGE_BOOT_MB + root_mb)) conv=notrunc,sparse status=none
+mv "$parts/root.ext4" "$OUT/edge-gateway-$ARCH-root.ext4"
+rm -rf "$parts"
+bmaptool -q create -o "$img.bmap" "$img"
+sfdisk --list "$img" | sed -n '/^Device/,$p'
+stage done
+log "image: $img (${total} MiB, $(du -sm "$img" | cut -f1) MiB allocated; root ${root_mb} MiB with $used_mb MiB used," \
+    "data ${IMAGE_DATA_MB} MiB), kernel $kver, $((SECONDS - start)) s in all"
 exit
 }

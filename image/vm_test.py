@@ -32,6 +32,7 @@ Usage: vm_test.py --arch amd64 [--power-cuts 3] [--seed N] [--out build/applianc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -67,21 +68,41 @@ class Arch:
     qemu: list[str]
     console: str
     disk: str
-    kernel: str
-    initrd: str
-    root: str
+    kernel: str = ""
+    initrd: str = ""
+    root: str = "LABEL=eg-root"
 
 
 def arch_config(arch: str, out: Path) -> Arch:
-    """The qemu command line and the image's files of ``arch`` (amd64, arm64)."""
+    """The qemu command line and the disk image of ``arch`` (amd64, arm64)."""
+    disk = str(out / f"edge-gateway-{arch}.img")
     if arch == "amd64":
-        return Arch(["qemu-system-x86_64", "-machine", "q35", "-cpu", "max"], "ttyS0",
-                    str(out / "edge-gateway.ext4"), str(out / "vmlinuz"), str(out / "initrd.img"), "/dev/vda")
+        return Arch(["qemu-system-x86_64", "-machine", "q35", "-cpu", "max"], "ttyS0", disk)
     if arch == "arm64":
-        return Arch(["qemu-system-aarch64", "-machine", "virt", "-cpu", "cortex-a53"], "ttyAMA0",
-                    str(out / "edge-gateway-arm64.img"), str(out / "arm64-boot" / "vmlinuz"),
-                    str(out / "arm64-boot" / "initrd.img"), "LABEL=eg-root")
+        return Arch(["qemu-system-aarch64", "-machine", "virt", "-cpu", "cortex-a53"], "ttyAMA0", disk)
     raise SystemExit(f"vm_test.py: --arch {arch!r}: must be amd64 or arm64")
+
+
+def extract_boot_files(arch: Arch, dest: Path) -> None:
+    """Copy the kernel and initrd out of the image's own boot partition (partition 1, FAT) with mtools: on arm64 the
+    files config.txt names (``kernel=``, ``initramfs``), else vmlinuz and initrd.img. Sets ``arch.kernel/initrd``."""
+    table = json.loads(subprocess.run(["sfdisk", "--json", arch.disk], capture_output=True, text=True,
+                                      check=True).stdout)["partitiontable"]
+    sector = int(table.get("sectorsize", 512))
+    image = f"{arch.disk}@@{int(table['partitions'][0]['start']) * sector}"
+    dest.mkdir(parents=True, exist_ok=True)
+    names = ("vmlinuz", "initrd.img")
+    if arch.console == "ttyAMA0":
+        config = subprocess.run(["mtype", "-i", image, "::/config.txt"], capture_output=True, text=True,
+                                check=True).stdout
+        kernel = re.search(r"^kernel=(\S+)", config, re.MULTILINE)
+        initrd = re.search(r"^initramfs (\S+)", config, re.MULTILINE)
+        if not kernel or not initrd:
+            raise RuntimeError(f"config.txt of {arch.disk} names no kernel= or initramfs")
+        names = (kernel.group(1), initrd.group(1))
+    for name, target in zip(names, ("vmlinuz", "initrd.img"), strict=True):
+        subprocess.run(["mcopy", "-o", "-n", "-i", image, f"::/{name}", str(dest / target)], check=True)
+    arch.kernel, arch.initrd = str(dest / "vmlinuz"), str(dest / "initrd.img")
 
 
 def free_port() -> int:
@@ -337,6 +358,9 @@ def boot_checks(vm: Vm, failures: list[str]) -> None:
         if not any(line.startswith(f"PASS {check}") for line in vm.probe):
             failures.append(f"missing PASS {check}")
     failures += [line for line in vm.probe if line.startswith("FAIL")]
+    roots = [line for line in vm.probe if line.startswith("ROOT ")]
+    if not roots or not re.search(r"\s(ro),", roots[0]):
+        failures.append(f"the root file system is not mounted read-only: {roots[:1]}")
 
 
 def main() -> int:
@@ -350,14 +374,16 @@ def main() -> int:
     parser.add_argument("--keep-disk", action="store_true", help="keep the power-cut disk copy")
     args = parser.parse_args()
     arch = arch_config(args.arch, args.out)
-    for path in (arch.disk, arch.kernel, arch.initrd):
-        if not Path(path).is_file():
-            raise SystemExit(f"image-test: {path} is missing: make image ARCH={args.arch}")
-    if shutil.which(arch.qemu[0]) is None:
-        raise SystemExit(f"image-test: {arch.qemu[0]} is missing: make image-deps")
+    if not Path(arch.disk).is_file():
+        raise SystemExit(f"image-test: {arch.disk} is missing: make image ARCH={args.arch}")
+    for tool in (arch.qemu[0], "sfdisk", "mcopy"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"image-test: {tool} is missing: make image-deps")
+    extract_boot_files(arch, args.out / f"boot-{args.arch}")
+    log(f"kernel and initrd from the boot partition of {Path(arch.disk).name}: {arch.kernel}, {arch.initrd}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 32)
     rng = random.Random(seed)
-    tag = f"-{args.arch}" if args.arch != "amd64" else ""
+    tag = f"-{args.arch}"
     serial = args.out / f"serial{tag}.log"
     failures: list[str] = []
     cuts: list[Cut] = []

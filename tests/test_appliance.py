@@ -7,7 +7,8 @@
   read or written. No systemd manager is started.
 - Ansible: ``--syntax-check`` for both inventories and ``ansible-lint --offline --profile production`` clean.
 - The image: ``make image-test`` builds the image (mmdebstrap, the playbook through the chroot connection twice, the
-  second run with changed=0, mkfs.ext4 -d) and boots it under qemu TCG with the in-image probe (slow: minutes).
+  second run with changed=0, boot/read-only root/data partitions made with mkfs.ext4 -d and mkfs.vfat + mcopy),
+  boots it under qemu TCG with the in-image probe and cuts its power 3 times (image/vm_test.py; slow: minutes).
 """
 
 from __future__ import annotations

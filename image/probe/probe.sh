@@ -77,6 +77,7 @@ serve() {
 powercut=$(sed -n 's/.*edge_gateway\.powercut=\([a-z]*\).*/\1/p' /proc/cmdline)
 
 say "START $(uname -r), up $(cut -d' ' -f1 /proc/uptime) s"
+say "ROOT / is $(findmnt -n -o SOURCE,FSTYPE,OPTIONS /)"  # read-only (README "Read-only root")
 
 # 1. The broker is active only after READY=1 (Type=notify): listeners bound, store open.
 if wait_for 180 systemctl is-active --quiet "$GW"; then
