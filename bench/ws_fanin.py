@@ -60,9 +60,25 @@ FRAMES_PER_CHUNK = 500
 
 
 class WsBroker(Broker):
-    """A broker of bench/brokers.py whose only client listener is a websockets one on ``path`` /mqtt."""
+    """A broker of bench/brokers.py whose only client listener is a websockets one on ``path`` /mqtt.
+
+    ``edge-gateway@DIR`` is edge-gateway run from another copy of the source tree (``DIR`` holds its ``gateway``
+    package, e.g. a ``git worktree`` of another commit), to compare two versions side by side in one run."""
+
+    def __init__(self, kind: str, workdir: Path) -> None:
+        base, _, self.tree = kind.partition("@")
+        if self.tree and base != "edge-gateway":
+            raise BrokerError(f"{kind}: only edge-gateway runs from another tree (edge-gateway@DIR)")
+        if self.tree and not (Path(self.tree) / "gateway" / "__main__.py").exists():
+            raise BrokerError(f"{kind}: no gateway package in {self.tree}")
+        super().__init__(base, workdir)
 
     def _command(self, port: int) -> list[str]:
+        command = self._ws_command(port)
+        # Broker.start sets PYTHONPATH to this tree for edge-gateway; env(1) execs, so the PID stays the broker's
+        return ["env", f"PYTHONPATH={Path(self.tree).resolve()}", *command] if self.tree else command
+
+    def _ws_command(self, port: int) -> list[str]:
         if self.kind == "mosquitto":
             conf = self.workdir / "mosquitto.conf"
             conf.write_text(
@@ -272,7 +288,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--count", type=int, default=50_000, help="messages per publisher (default 50000)")
     parser.add_argument("--publishers", type=int, default=4)
-    parser.add_argument("--brokers", default="mosquitto,edge-gateway")
+    parser.add_argument("--brokers", default="mosquitto,edge-gateway",
+                        help="comma-separated: mosquitto, edge-gateway, edge-gateway@DIR (edge-gateway from the source "
+                        "tree in DIR, e.g. a git worktree of another commit); the first is the ratios' base when it "
+                        "is mosquitto")
     parser.add_argument("--out", default=str(BENCH / "results" / "websockets.md"))
     args = parser.parse_args()
     kinds = args.brokers.split(",")
@@ -281,7 +300,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ws-") as tmp:
         for run in range(args.runs):
             for kind in kinds:
-                r = one_run(kind, Path(tmp) / f"{kind}-{run}", args.publishers, args.count)
+                r = one_run(kind, Path(tmp) / f"{kinds.index(kind)}-{run}", args.publishers, args.count)
                 results[kind].append(r)
                 print(f"run {run + 1} {kind:13s} {r['rate']:9.0f} msgs/s delivered {r['delivered']:.0f} "
                       f"(lost {r['lost']:.0f}), broker {r['broker_us']:.1f} us/msg, busy: broker core "
