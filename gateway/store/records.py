@@ -66,6 +66,11 @@ _OUT = struct.Struct("!QB")  # mid, qos (then the remote topic)
 _U64 = struct.Struct("!Q")
 _U16 = struct.Struct("!H")
 _NONE = -1.0
+#: The fixed head of a queue row (:func:`encode_delivery`): mid, QoS, RETAIN, Packet Identifier, state, expires_at
+#: (-1.0 = none), number of Subscription Identifiers (4 bytes each follow). For loaders that skip the rest.
+DELIVERY_HEAD = _DEL
+#: An 8-byte big-endian integer (mids, seqs).
+U64 = _U64
 
 
 def u64(value: int) -> bytes:
@@ -173,9 +178,17 @@ def decode_message(mid: int, data: bytes, pos: int = 0) -> Message:
 def payload_length(data: bytes) -> int:
     """The payload length (bytes) of a stored message record, without decoding it. Raises ``IndexError`` on a
     damaged record."""
-    pos = _MSG.size
-    pos += 2 + int.from_bytes(data[pos:pos + 2], "big")  # topic
-    pos += 2 + int.from_bytes(data[pos:pos + 2], "big")  # sender
+    return payload_length_at(data, 0)
+
+
+def payload_length_at(data: bytes, pos: int) -> int:
+    """The payload length (bytes) of the message record at ``pos`` of ``data`` (to the end of ``data``), without
+    decoding or copying it. Raises ``IndexError``/``struct.error`` on a damaged record."""
+    pos += _MSG.size
+    pos += 2 + _U16.unpack_from(data, pos)[0]  # topic
+    pos += 2 + _U16.unpack_from(data, pos)[0]  # sender
+    if data[pos] == 0:  # no properties: the usual case
+        return len(data) - pos - 1
     length, pos = decode_vbi(data, pos)  # Property Length
     return len(data) - pos - length
 
