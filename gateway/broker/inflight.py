@@ -10,6 +10,7 @@ reconnect (MQTT 5: only then [MQTT-4.4.0-1]) and, for 3.1.1, after ``retry_inter
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from gateway.broker.message import AWAIT_COMP, Delivery
 from gateway.broker.output import send, write_publish
@@ -133,14 +134,16 @@ def resend(core: BrokerState, session: Session, conn: Connection, now: float, ol
     and go out, with their Packet Identifiers, as acknowledgements free slots (:func:`pump`) [MQTT-3.3.4-9].
     For 3.1.1 after ``retry_interval`` seconds: what was sent at least ``older_than`` seconds ago."""
     if not older_than:
-        session.unsent.clear()
+        session.unsent = ()
         window = conn.window
         for delivery in list(session.inflight.values()):
             if window > 0:
                 window -= 1
                 _resend_one(core, session, conn, delivery, now)
             else:
-                session.unsent.append(delivery)
+                if not session.unsent:
+                    session.unsent = deque()
+                session.unsent.append(delivery)  # type: ignore[union-attr]
         return
     held = {id(d) for d in session.unsent}
     for delivery in list(session.inflight.values()):
@@ -164,12 +167,15 @@ def _resend_unsent(core: BrokerState, session: Session, conn: Connection, now: f
     One the client acknowledged meanwhile (it had it from the previous connection) is passed over."""
     inflight = session.inflight
     unsent = session.unsent
+    assert isinstance(unsent, deque)  # pump calls this only while it holds any
     live = [d for d in unsent if inflight.get(d.packet_id) is d]
     if len(live) != len(unsent):
         unsent.clear()
         unsent.extend(live)
     while unsent and len(inflight) - len(unsent) < conn.window:
         _resend_one(core, session, conn, unsent.popleft(), now)
+    if not unsent and session.unsent is unsent:
+        session.unsent = ()
 
 
 # ------------------------------------------------------------------------------------------ acknowledgements
