@@ -63,6 +63,9 @@ bench: venv deps $(AMQTT_VENV)/.installed
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 	$(BIN)/python bench/ws_fanin.py  # QoS 0 fan-in over WebSockets beside Mosquitto's websockets listener (~1 min)
 	$(BIN)/python bench/lander_rate.py  # the fleet lander's rate (MQTT -> landing files) beside the gateway's forwarded rate (~1 min)
+	$(BIN)/python bench/restart.py  # restart to READY=1 with 10^6 queued messages in 1,000 offline sessions, beside Mosquitto (~4 min)
+	$(BIN)/python bench/many_clients.py  # 10,000 clients publishing QoS 1 once a second + idle ones, beside Mosquitto (~8 min)
+	$(BIN)/python bench/slow_disk.py  # durable QoS 1 publish with 5 ms added to every fsync (group commit; ~3 min)
 
 # The fleet pipeline on a Spark standalone cluster (tests/test_pipeline_cluster.py; not part of `make test`: about
 # 4 min on the shared 2-core machine): a master and two workers on 127.0.0.1, spark-submit of `run all`, every table
