@@ -168,12 +168,16 @@ playbook=(ansible-playbook -i "$src/ansible/inventory/image" -e "image_root=$roo
 log "provisioning with ansible/site.yml through the chroot connection"
 "${playbook[@]}" > "$OUT/provision-$ARCH-1.log" 2>&1 || { tail -40 "$OUT/provision-$ARCH-1.log"; die "provisioning failed"; }
 grep -A3 'PLAY RECAP' "$OUT/provision-$ARCH-1.log"
-log "provisioning again: must report changed=0"
-"${playbook[@]}" > "$OUT/provision-$ARCH-2.log" 2>&1 || { tail -40 "$OUT/provision-$ARCH-2.log"; die "second provisioning failed"; }
-grep -A3 'PLAY RECAP' "$OUT/provision-$ARCH-2.log"
-if grep -E '^(image|localhost) .*changed=[1-9]' "$OUT/provision-$ARCH-2.log"; then
-    grep -B2 -E '^changed:' "$OUT/provision-$ARCH-2.log" | head -40
-    die "the second run changed something: the playbook is not idempotent"
+# IMAGE_PROVISION_RUNS=1 skips the second run (the same playbook is checked for changed=0 by the amd64 image in
+# make test; under qemu-user a run of the arm64 root takes minutes).
+if [ "${IMAGE_PROVISION_RUNS:-2}" -ge 2 ]; then
+    log "provisioning again: must report changed=0"
+    "${playbook[@]}" > "$OUT/provision-$ARCH-2.log" 2>&1 || { tail -40 "$OUT/provision-$ARCH-2.log"; die "second provisioning failed"; }
+    grep -A3 'PLAY RECAP' "$OUT/provision-$ARCH-2.log"
+    if grep -E '^(image|localhost) .*changed=[1-9]' "$OUT/provision-$ARCH-2.log"; then
+        grep -B2 -E '^changed:' "$OUT/provision-$ARCH-2.log" | head -40
+        die "the second run changed something: the playbook is not idempotent"
+    fi
 fi
 rm -rf "$rootfs/root/.ansible" "$rootfs/tmp/"* "$src" 2>/dev/null || true
 # resolv.conf: whatever configures the network (a DHCP client, systemd-networkd + resolved) writes it to /run.
