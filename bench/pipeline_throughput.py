@@ -39,10 +39,13 @@ def _iso(t: float, ms: bool = True) -> str:
     return d.strftime("%Y-%m-%dT%H:%M:%S.") + (f"{d.microsecond // 1000:03d}Z" if ms else f"{d.microsecond:06d}Z")
 
 
-def generate(landing: Path, records: int, seed: int = 8, outages: int = 0) -> dict[str, int]:
+def generate(landing: Path, records: int, seed: int = 8, outages: int = 0, landing_format: int = 2) -> dict[str, int]:
     """Write about ``records`` landing lines; returns what was put in (lines, readings, duplicates, ...).
+    ``landing_format``: 2 (the lander's: a JSON object payload embedded) or 1 (every payload a JSON string).
     ``outages``: that many gateways lose every reading for 20-120 minutes, and as many devices for 15-90 (for the
     report's outage timeline; 0 for the throughput figures)."""
+    from pipeline.lander import EmbeddedJSON, encode_line
+
     rng = random.Random(seed)
     day0 = dt.datetime(DAY.year, DAY.month, DAY.day, tzinfo=dt.UTC).timestamp()
     devices = GATEWAYS * DEVICES
@@ -90,8 +93,11 @@ def generate(landing: Path, records: int, seed: int = 8, outages: int = 0) -> di
                 counts["malformed_lines" if payload[-1] != "}" else "duplicates"] += copies - 1
                 for c in range(copies):
                     arrival = gt + 0.5 + rng.random() + c * rng.uniform(1, 120)
-                    line = json.dumps({"topic": topic, "arrival": _iso(arrival, ms=False), "msg_id": f"{gw}:{i}",
-                                       "qos": 1, "retain": False, "payload": payload}, separators=(",", ":"))
+                    record = {"topic": topic, "arrival": _iso(arrival, ms=False), "msg_id": f"{gw}:{i}", "qos": 1,
+                              "retain": False, "payload": payload}
+                    if landing_format == 2 and payload[-1] == "}":  # as the lander embeds a JSON object payload
+                        record["payload"] = EmbeddedJSON(payload)
+                    line = encode_line(record).decode()[:-1]
                     hours.setdefault(min(23, int((arrival - day0) // 3600)), []).append(line)
                     counts["lines"] += 1
         for hour, lines in hours.items():
@@ -111,6 +117,11 @@ def main() -> int:
     parser.add_argument("--gateways", type=int, default=50, help="gateways (4 devices each; default 50)")
     parser.add_argument("--outages", type=int, default=0, help="gateways and devices with an outage (default 0)")
     parser.add_argument("--report", help="also write the fleet report of the result to this HTML file")
+    parser.add_argument("--landing-format", type=int, choices=[1, 2], default=2,
+                        help="2: the lander's (JSON object payloads embedded; default); 1: every payload a string")
+    parser.add_argument("--runs", type=int, choices=[1, 2], default=2, help="1: the first run only (no rebuild)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep an existing landing area in --workdir (same --records) instead of generating it")
     args = parser.parse_args()
 
     from pipeline import jobs
@@ -121,11 +132,20 @@ def main() -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-bench-"))
     landing, tables = work / "landing", work / "tables"
-    shutil.rmtree(landing, ignore_errors=True)
+    counts_file = work / "landing-counts.json"
+    reuse = (args.reuse and counts_file.exists() and landing.is_dir()
+             and json.loads(counts_file.read_text()).get("landing_format") == args.landing_format)
+    if not reuse:
+        shutil.rmtree(landing, ignore_errors=True)
     shutil.rmtree(tables, ignore_errors=True)
     try:
         t0 = time.monotonic()
-        counts = generate(landing, args.records, outages=args.outages)
+        if reuse:
+            counts = json.loads(counts_file.read_text())
+        else:
+            counts = generate(landing, args.records, outages=args.outages, landing_format=args.landing_format)
+            counts["landing_format"] = args.landing_format
+            counts_file.write_text(json.dumps(counts))
         gen_s = time.monotonic() - t0
         size = sum(p.stat().st_size for p in landing.rglob("*.jsonl"))
         files = sum(1 for _ in landing.rglob("*.jsonl"))
@@ -136,27 +156,47 @@ def main() -> int:
         conf = spark.sparkContext.getConf()
         print(f"spark {spark.version} {conf.get('spark.master')} ({os.cpu_count()} cores), shuffle partitions "
               f"{spark.conf.get('spark.sql.shuffle.partitions')}, started in {start_s:.1f}s")
+        jvm = spark.sparkContext._gateway.proc.pid  # the JVM that runs local[*] (spark-submit execs java)
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def jvm_cpu() -> float:
+            """CPU seconds (user + system) of the Spark JVM so far: less sensitive than wall time to other load."""
+            fields = Path(f"/proc/{jvm}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / ticks
+
         cfg = jobs.JobConfig(landing=str(landing), tables=str(tables), as_of=dt.datetime(2024, 5, 3, tzinfo=dt.UTC))
         runs = []
-        for label in ("first run", "rebuild") if not args.report else ("first run",):
+        for label in ("first run", "rebuild")[: 1 if args.report else args.runs]:
             stages: dict[str, float] = {}
             stats: dict[str, int] = {}
-            t_all = time.monotonic()
-            for stage in jobs.STAGES:
-                t = time.monotonic()
-                jobs.RUNNERS[stage](spark, cfg, DAY, DAY)
-                stages[stage] = round(time.monotonic() - t, 2)
-            t = time.monotonic()
-            stats.update(jobs.stats(spark, cfg, list(jobs.STAGES), DAY, DAY))
-            stages["stats"] = round(time.monotonic() - t, 2)
+            cpu: dict[str, float] = {}
+            t_all = mark = time.monotonic()
+            cpu_all = cpu_mark = jvm_cpu()
+
+            def stage_done(stage: str, stages: dict[str, float] = stages, cpu: dict[str, float] = cpu) -> None:
+                nonlocal mark, cpu_mark
+                now, now_cpu = time.monotonic(), jvm_cpu()
+                stages[stage], cpu[stage] = round(now - mark, 2), round(now_cpu - cpu_mark, 2)
+                mark, cpu_mark = now, now_cpu
+                print(f"  {stage}: {stages[stage]:.1f}s, JVM CPU {cpu[stage]:.1f}s", flush=True)
+
+            if hasattr(jobs, "run_all"):
+                stats.update(jobs.run_all(spark, cfg, DAY, DAY, on_stage=stage_done))
+            else:  # the jobs before the parse-once change (to measure a baseline with this script)
+                for stage in jobs.STAGES:
+                    jobs.RUNNERS[stage](spark, cfg, DAY, DAY)
+                    stage_done(stage)
+                stats.update(jobs.stats(spark, cfg, list(jobs.STAGES), DAY, DAY))
+                stage_done("stats")
             elapsed = time.monotonic() - t_all
+            cpu_s = jvm_cpu() - cpu_all
             rate = counts["lines"] / elapsed
             runs.append({"run": label, "seconds": round(elapsed, 2), "records_per_s": round(rate), "stages": stages,
-                         "tables": stats})
+                         "jvm_cpu_s": round(cpu_s, 1), "stages_jvm_cpu_s": cpu, "tables": stats})
             load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
             runs[-1]["loadavg"] = load  # 1, 5, 15 min: above 2 the 2-core machine was shared with other work
             print(f"{label}: {counts['lines']:,} records in {elapsed:.1f}s = {rate:,.0f} records/s  stages {stages}"
-                  f"  loadavg {' '.join(load)}")
+                  f"  JVM CPU {cpu_s:.1f}s {cpu}  loadavg {' '.join(load)}")
         print(f"tables: {runs[-1]['tables']}")
         assert runs[-1]["tables"]["duplicates"] == counts["duplicates"], "dedup count differs from what was put in"
         assert runs[-1]["tables"]["quarantine"] == counts["malformed_lines"], "quarantine differs from what was put in"

@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="...or this many messages await their PUBACK (sent as MQTT 5 Receive Maximum)",
     )
+    land.add_argument(
+        "--payload-as-string",
+        action="store_true",
+        help="landing format 1: every payload as a JSON string (default: a JSON object payload is embedded as the "
+        "object, byte for byte, so Spark parses each line once; docs/pipeline.md)",
+    )
     land.add_argument("--username")
     land.add_argument("--tls", action="store_true", help="TLS to the broker (system CAs unless --cafile)")
     land.add_argument("--cafile")
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             roll_seconds=args.roll_interval,
             idle_seconds=args.idle,
             max_pending=args.max_pending,
+            payload_as_string=args.payload_as_string,
             username=args.username,
             password=os.environ.get("FLEET_MQTT_PASSWORD"),
             tls=args.tls,

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from pipeline import tables as tbl
-from pipeline.schema import ENVELOPE, KEY, LANDING
+from pipeline.schema import ENVELOPE, KEY, LANDING, LANDING_EMBEDDED
 
 log = logging.getLogger("pipeline.jobs")
 
@@ -64,46 +65,110 @@ def _timestamp(text: Column) -> Column:
     return F.when(text.rlike(RFC3339), F.try_to_timestamp(text))
 
 
+_JSON_OPTIONS = {"mode": "PERMISSIVE", "allowNonNumericNumbers": "false"}
+_EMBEDDED_KEY = ',"payload":{'  # how the lander writes a format 2 line's payload: the last key, then the object
+
+
+def _topic_ok(e: Column, topic: Column) -> Column:
+    levels = F.split(topic, "/")
+    return (F.size(levels) >= 3) & (F.element_at(levels, -2) == e["gateway_id"]) & (
+        F.element_at(levels, -1) == e["device"]
+    )
+
+
+def _envelope_ok(e: Column, topic: Column, gateway_time: Column, sensor_time: Column) -> Column:
+    """The envelope ``e`` (parsed with ``ENVELOPE``; its times as timestamps) has every field, sensor_time
+    included, and passes every check: such a row's reasons are empty whichever way it was parsed. Null when unsure
+    (treat as False)."""
+    present = [e[f].isNotNull() for f in ("v", "gateway_id", "device", "boot", "seq")]
+    entries = F.map_entries(e["values"])
+    checks = [
+        *present,
+        e["v"] == 1,
+        e["boot"] >= 0,
+        e["seq"] >= 0,
+        gateway_time.isNotNull(),
+        sensor_time.isNotNull(),
+        F.size(e["values"]) > 0,
+        ~F.exists(entries, lambda x: x["value"]["value"].isNull() | x["value"]["unit"].isNull()),
+        F.forall(entries, lambda x: x["key"].rlike(QUANTITY_NAME)),
+        _topic_ok(e, topic),
+    ]
+    ok = checks[0]
+    for check in checks[1:]:
+        ok = ok & check
+    return ok
+
+
 def parse_landing(lines: DataFrame) -> DataFrame:
-    """Landing lines as text (``value``, ``source_file``; the streaming file source) -> one row per line with the
-    envelope fields parsed and ``reasons``: every check the line fails (empty for a valid reading)."""
-    landed = F.from_json(F.col("value"), LANDING, {"mode": "PERMISSIVE"})
-    df = lines.select(landed.alias("l"), "value", "source_file").select(
-        F.col("l.topic").alias("topic"),
-        F.try_to_timestamp(F.col("l.arrival")).alias("arrival_time"),
-        F.col("l.msg_id").alias("msg_id"),
-        F.col("l.payload").alias("payload"),
-        F.col("l.payload_b64").alias("payload_b64"),
+    """Landing lines as text (``value``, ``source_file``; :func:`pipeline.tables.read_landing` or the streaming
+    file source) -> one row per non-blank line with the envelope fields parsed and ``reasons``: every check the
+    line fails (empty for a valid reading).
+
+    A line is parsed once with ``LANDING_EMBEDDED`` (the payload as the envelope object: landing format 2). When
+    that gives every envelope field and every check passes (the common case) the row is done (``fast``). Any other
+    line (format 1, whose payload is a JSON string; an envelope with a field missing, null or of the wrong type;
+    sensor_time null, which must be told from absent; not a landing line at all) is parsed as format 1 was: the
+    line with ``LANDING`` (an embedded object comes back as its JSON text), then the payload text with
+    ``ENVELOPE``, and checked field by field. Both ways give the same row for the same message."""
+    lines = lines.where(~F.col("value").rlike(r"^\s*$"))  # blank lines are skipped, as Spark's JSON source does
+    # a format 1 line (no embedded object) skips this parse: it could not be fast
+    embedded = F.when(
+        F.col("value").contains(_EMBEDDED_KEY), F.from_json(F.col("value"), LANDING_EMBEDDED, _JSON_OPTIONS)
+    )
+    df = lines.select(embedded.alias("l"), "value", "source_file")
+    line = F.col("l")
+    df = df.select(
+        "l",
         "value",
         "source_file",
+        F.try_to_timestamp(line["arrival"]).alias("l_arrival"),
+        _timestamp(line["payload"]["gateway_time"]).alias("l_gateway_time"),
+        _timestamp(line["payload"]["sensor_time"]).alias("l_sensor_time"),
     )
-    return _parse_envelope(df)
-
-
-def parse_landed(landed: DataFrame) -> DataFrame:
-    """Landing lines read by Spark's JSON source (:func:`pipeline.tables.read_landing`: the ``LANDING`` fields,
-    ``_corrupt_record``, ``source_file``) -> as :func:`parse_landing`. The JSON source parses each line straight
-    from the file's bytes (one pass less than text + ``from_json``); a line that is not a JSON object keeps its
-    text in ``_corrupt_record``, and one without ``topic`` or ``arrival`` is re-serialised for the quarantine."""
-    arrival_time = F.try_to_timestamp(F.col("arrival"))
-    bad_line = F.col("topic").isNull() | arrival_time.isNull()
-    rebuilt = F.to_json(F.struct(*[F.col(f.name) for f in LANDING.fields]))
-    df = landed.select(
-        "topic",
-        arrival_time.alias("arrival_time"),
-        "msg_id",
-        "payload",
-        "payload_b64",
-        F.when(bad_line, F.coalesce(F.col("_corrupt_record"), rebuilt)).alias("value"),
+    fast = F.coalesce(
+        line["topic"].isNotNull()
+        & F.col("l_arrival").isNotNull()
+        & _envelope_ok(line["payload"], line["topic"], F.col("l_gateway_time"), F.col("l_sensor_time")),
+        F.lit(False),
+    )
+    carried = ["l", "value", "source_file", "l_arrival", "l_gateway_time", "l_sensor_time"]
+    df = df.select(*carried, fast.alias("fast"))
+    # only where not fast: the line as format 1 (one more parse), then the payload text (one more)
+    f1 = F.when(~F.col("fast"), F.from_json(F.col("value"), LANDING, {"mode": "PERMISSIVE"}))
+    df = df.select(*carried, "fast", f1.alias("f1"))
+    # a format 2 payload's exact text: the bytes between the lander's ',"payload":' and the line's final '}', when
+    # they are exactly one JSON value (else Spark's compact rewrite of the object, from the LANDING parse)
+    value, fast_c = F.col("value"), F.col("fast")
+    at = F.instr(value, _EMBEDDED_KEY)
+    start = at + F.lit(len(_EMBEDDED_KEY) - 1)
+    cut = F.when(~fast_c & (at > 0) & value.endswith("}"), value.substr(start, F.length(value) - start))
+    one_value = F.size(F.from_json(F.concat(F.lit("["), cut, F.lit("]")), T.ArrayType(T.StringType()))) == 1
+    payload = F.when(~fast_c, F.when(F.coalesce(one_value, F.lit(False)), cut).otherwise(F.col("f1.payload")))
+    df = df.select(
+        F.when(fast_c, line["topic"]).otherwise(F.col("f1.topic")).alias("topic"),
+        F.when(fast_c, F.col("l_arrival")).otherwise(F.try_to_timestamp(F.col("f1.arrival"))).alias("arrival_time"),
+        F.when(fast_c, line["msg_id"]).otherwise(F.col("f1.msg_id")).alias("msg_id"),
+        payload.alias("payload"),
+        F.when(~fast_c, F.col("f1.payload_b64")).alias("payload_b64"),
+        F.when(~fast_c, value).alias("value"),
         "source_file",
+        fast_c.alias("fast"),
+        F.when(fast_c, line["payload"]).alias("embedded"),
+        F.when(fast_c, F.col("l_gateway_time")).alias("fast_gateway_time"),
+        F.when(fast_c, F.col("l_sensor_time")).alias("fast_sensor_time"),
     )
     return _parse_envelope(df)
 
 
 def _parse_envelope(df: DataFrame) -> DataFrame:
-    """Rows with ``topic``, ``arrival_time``, ``msg_id``, ``payload``, ``payload_b64``, ``value`` (the raw line),
-    ``source_file`` -> the envelope parsed from ``payload`` and ``reasons``."""
-    envelope = F.from_json(F.col("payload"), ENVELOPE, {"mode": "PERMISSIVE", "allowNonNumericNumbers": "false"})
+    """Rows with ``topic``, ``arrival_time``, ``msg_id``, ``payload`` (text), ``payload_b64``, ``value`` (the raw
+    line), ``source_file``, ``fast`` and, where ``fast``, ``embedded`` (the envelope already parsed and checked),
+    ``fast_gateway_time`` and ``fast_sensor_time`` (its times as timestamps) ->
+    the envelope fields and ``reasons`` (empty where ``fast``; else from ``payload`` parsed with ``ENVELOPE``)."""
+    envelope = F.when(
+        F.col("fast"), F.col("embedded")
+    ).otherwise(F.from_json(F.col("payload"), ENVELOPE, _JSON_OPTIONS))
     df = df.withColumn("e", envelope)
     e = F.col("e")
 
@@ -111,11 +176,9 @@ def _parse_envelope(df: DataFrame) -> DataFrame:
         raw = F.get_json_object(F.col("payload"), f"$.{name}")
         return F.when(e[name].isNull(), F.when(raw.isNull(), F.lit(f"missing:{name}")).otherwise(f"bad_type:{name}"))
 
-    gateway_time = _timestamp(e["gateway_time"])
-    sensor_time = _timestamp(e["sensor_time"])
-    levels = F.split(F.col("topic"), "/")
-    n = F.size(levels)
-    topic_ok = (n >= 3) & (F.element_at(levels, -2) == e["gateway_id"]) & (F.element_at(levels, -1) == e["device"])
+    gateway_time = F.when(F.col("fast"), F.col("fast_gateway_time")).otherwise(_timestamp(e["gateway_time"]))
+    sensor_time = F.when(F.col("fast"), F.col("fast_sensor_time")).otherwise(_timestamp(e["sensor_time"]))
+    topic_ok = _topic_ok(e, F.col("topic"))
     entries = F.map_entries(e["values"])
     bad_values = F.transform(
         F.filter(entries, lambda x: x["value"]["value"].isNull() | x["value"]["unit"].isNull()),
@@ -145,7 +208,8 @@ def _parse_envelope(df: DataFrame) -> DataFrame:
     )
     not_object = e["v"].isNull() & F.json_object_keys(F.col("payload")).isNull()
     reasons = (
-        F.when(F.col("topic").isNull() | F.col("arrival_time").isNull(), F.array(F.lit("bad_landing_line")))
+        F.when(F.col("fast"), F.array().cast("array<string>"))
+        .when(F.col("topic").isNull() | F.col("arrival_time").isNull(), F.array(F.lit("bad_landing_line")))
         .when(F.col("payload").isNull(), F.array(F.lit("not_utf8")))
         .when(not_object, F.array(F.lit("not_json_object")))
         .otherwise(reasons)
@@ -397,7 +461,7 @@ def _in_range(first: dt.date, last: dt.date) -> Column:
 def run_clean(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date) -> None:
     """landing (arrival dates first-1 .. last+lateness) -> ``clean`` and ``quarantine`` for first..last."""
     landing_days = _days(first - dt.timedelta(days=1), last + dt.timedelta(days=max(0, int(-(-cfg.lateness // 86400)))))
-    parsed = parse_landed(tbl.read_landing(spark, cfg.landing, landing_days))
+    parsed = parse_landing(tbl.read_landing(spark, cfg.landing, landing_days))
     # parsed once, written twice (clean, quarantine): cache it without the raw text the valid rows no longer need
     bad = F.size("reasons") > 0
     parsed = (parsed.withColumn("payload", F.when(bad, F.col("payload")))
@@ -486,9 +550,17 @@ RUNNERS: dict[str, Callable[[SparkSession, JobConfig, dt.date, dt.date], None]] 
 }
 
 
-def run(spark: SparkSession, cfg: JobConfig, stage: str, first: dt.date, last: dt.date) -> dict[str, int]:
+def run(
+    spark: SparkSession,
+    cfg: JobConfig,
+    stage: str,
+    first: dt.date,
+    last: dt.date,
+    on_stage: Callable[[str], None] | None = None,
+) -> dict[str, int]:
     """Run one stage, or ``all`` of them in order, in this one SparkSession; returns row counts of what was
-    written (one Spark job for all of them, after the writes)."""
+    written (one Spark job for all of them, after the writes). ``on_stage(name)`` is called after each stage and
+    after ``"stats"`` (the benchmark times them)."""
     if last < first:
         raise ValueError(f"--to {last} is before --from {first}")
     names = list(STAGES) if stage == "all" else [stage]
@@ -497,6 +569,17 @@ def run(spark: SparkSession, cfg: JobConfig, stage: str, first: dt.date, last: d
             raise ValueError(f"unknown stage {name!r} (one of {', '.join(STAGES)}, all)")
         RUNNERS[name](spark, cfg, first, last)
         log.info("%s %s..%s written", name, first, last)
+        if on_stage:
+            on_stage(name)
     result = stats(spark, cfg, names, first, last)
+    if on_stage:
+        on_stage("stats")
     log.info("%s %s..%s: %s", stage, first, last, result)
     return result
+
+
+def run_all(
+    spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date, on_stage: Callable[[str], None] | None = None
+) -> dict[str, int]:
+    """``run(spark, cfg, "all", first, last, on_stage)``."""
+    return run(spark, cfg, "all", first, last, on_stage)

@@ -1,13 +1,16 @@
 """The lander: cloud broker -> immutable landing area of JSON lines (no pyspark here).
 
 Spark has no maintained MQTT source, so this small process holds a persistent QoS 1 session on the cloud broker
-and lands every message as one JSON line::
+and lands every message as one JSON line (landing format 2)::
 
-    {"topic": "fleet/gw-0001/buoy-b01", "arrival": "2024-05-01T12:00:01.123456Z", "msg_id": "gw-0001:17",
-     "qos": 1, "retain": false, "payload": "{\\"v\\": 1, ...}"}
+    {"topic":"fleet/gw-0001/buoy-b01","arrival":"2024-05-01T12:00:01.123456Z","msg_id":"gw-0001:17",
+     "qos":1,"retain":false,"payload":{"v":1,"gateway_id":"gw-0001",...}}
 
-``payload`` is the message text exactly as received (``payload_b64`` instead, with ``payload`` null, when it is not
-UTF-8); ``msg_id`` is the upstream bridge's MQTT 5 User Property or null.
+``payload`` is the message text exactly as received: embedded byte for byte as the JSON object it is (so Spark's
+JSON reader parses the line and the envelope in one pass), or, when the text is not one JSON object on one line,
+as a JSON string (landing format 1 wrote every payload as a string; the jobs read both). ``payload_b64`` instead,
+with ``payload`` null, when it is not UTF-8. ``payload`` is always the last key. ``msg_id`` is the upstream
+bridge's MQTT 5 User Property or null.
 
 Layout: ``<landing>/date=YYYY-MM-DD/gateway=<gateway_id>/part-<first arrival>-<lander>-<random>.jsonl``, by the
 arrival date (UTC) and the gateway id taken from the topic (``<prefix>/<gateway_id>/<device>``; ``unknown`` when
@@ -54,10 +57,37 @@ def gateway_of(topic: str) -> str:
     return levels[-2] if len(levels) >= 3 and levels[-2] else "unknown"
 
 
+class EmbeddedJSON(str):
+    """A payload text that is one JSON object: :func:`encode_line` writes it into the line as it is, not quoted."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json accepts them, JSON and Spark do not
+
+
+def is_json_object(text: str) -> bool:
+    """``text`` is exactly one strict JSON object (RFC 8259: no NaN/Infinity) on one line (no CR or LF outside its
+    strings, so the landing line stays one line)."""
+    if not text.lstrip().startswith("{") or "\n" in text or "\r" in text:
+        return False
+    try:
+        return isinstance(json.loads(text, parse_constant=_reject_constant), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def landing_record(
-    topic: str, payload: bytes, arrival: dt.datetime, msg_id: str | None, qos: int, retain: bool
+    topic: str,
+    payload: bytes,
+    arrival: dt.datetime,
+    msg_id: str | None,
+    qos: int,
+    retain: bool,
+    embed_objects: bool = True,
 ) -> dict[str, Any]:
-    """One landing line (before JSON encoding)."""
+    """One landing line (before :func:`encode_line`). ``payload``: an :class:`EmbeddedJSON` when the text is a
+    JSON object and ``embed_objects`` (landing format 2), else the text as a string (format 1), or None with
+    ``payload_b64`` when the bytes are not UTF-8."""
     record: dict[str, Any] = {
         "topic": topic,
         "arrival": arrival.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
@@ -66,11 +96,24 @@ def landing_record(
         "retain": retain,
     }
     try:
-        record["payload"] = payload.decode("utf-8")
+        text = payload.decode("utf-8")
     except UnicodeDecodeError:
         record["payload"] = None
         record["payload_b64"] = base64.b64encode(payload).decode("ascii")
+        return record
+    record["payload"] = EmbeddedJSON(text) if embed_objects and is_json_object(text) else text
     return record
+
+
+def encode_line(record: dict[str, Any]) -> bytes:
+    """The landing line of ``record`` (compact JSON, UTF-8, LF-terminated; ``payload`` last, embedded unquoted
+    when it is an :class:`EmbeddedJSON`)."""
+    payload = record.get("payload")
+    if not isinstance(payload, EmbeddedJSON):
+        return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    rest = {k: v for k, v in record.items() if k != "payload"}
+    head = json.dumps(rest, ensure_ascii=False, separators=(",", ":"))
+    return (head[:-1] + ',"payload":' + str(payload) + "}\n").encode("utf-8")
 
 
 @dataclass
@@ -121,7 +164,7 @@ class LandingWriter:
             temp = directory / f".{name}{TEMP_SUFFIX}"
             entry = _OpenFile(temp, directory / name, open(temp, "xb"))  # noqa: SIM115 (closed by roll)
             self._open[key] = entry
-        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        line = encode_line(record)
         entry.handle.write(line)
         self.pending_bytes += len(line)
         self.pending_lines += 1
@@ -177,6 +220,7 @@ class LanderConfig:
     roll_seconds: float = 60.0  # the oldest unlanded message waits at most this long
     idle_seconds: float = 1.0  # roll when the broker has sent nothing for this long (caught up, or window full)
     max_pending: int = 1000  # roll when this many messages await their PUBACK; MQTT 5 Receive Maximum
+    payload_as_string: bool = False  # landing format 1: every payload as a JSON string (the jobs parse it twice)
     username: str | None = None
     password: str | None = None
     tls: bool = False
@@ -237,7 +281,9 @@ class Lander:
                 msg_id = value
                 break
         payload = message.payload if isinstance(message.payload, bytes) else str(message.payload).encode()
-        record = landing_record(topic, payload, arrival, msg_id, message.qos, bool(message.retain))
+        record = landing_record(
+            topic, payload, arrival, msg_id, message.qos, bool(message.retain), not self.config.payload_as_string
+        )
         self.writer.append(record, gateway_of(topic), arrival)
         self.received += 1
         if log.isEnabledFor(logging.DEBUG):

@@ -39,6 +39,13 @@ ENVELOPE = T.StructType(
 )
 ENVELOPE_FIELDS = [f.name for f in ENVELOPE.fields]
 
+# One landing line read with the payload as the envelope object itself (landing format 2: the lander embeds a JSON
+# object payload as the object): Spark parses the line and the envelope in one pass. A format 1 line (payload as a
+# string) does not match it and is read with LANDING instead.
+LANDING_EMBEDDED = T.StructType(
+    [T.StructField("payload", ENVELOPE) if f.name == "payload" else f for f in LANDING.fields]
+)
+
 KEY = ["gateway_id", "device", "boot", "seq"]
 
 # clean: every valid copy, partitioned by event date.

@@ -10,7 +10,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
-from pipeline.schema import LANDING, TABLES
+from pipeline.schema import TABLES
 
 
 def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
@@ -38,24 +38,17 @@ def existing_date_dirs(spark: SparkSession, root: str, dates: list[dt.date]) -> 
 
 
 def read_landing(spark: SparkSession, landing: str, dates: list[dt.date]) -> DataFrame:
-    """The landed lines of the given arrival dates, parsed by Spark's JSON source: the ``LANDING`` fields,
-    ``_corrupt_record`` (the text of a line that is not a JSON object, else null) and ``source_file``. Only
-    visible ``*.jsonl`` files are read (the lander's hidden ``.part-...inprogress`` files never are)."""
+    """The landed lines of the given arrival dates as text: ``value`` (the line) and ``source_file``, for
+    :func:`pipeline.jobs.parse_landing` (which parses a format 2 line once and keeps the text of any line it
+    quarantines). Only visible ``*.jsonl`` files are read (the lander's hidden ``.part-...inprogress`` files
+    never are)."""
     from pyspark.sql import functions as F
 
-    schema = T.StructType([*LANDING.fields, T.StructField("_corrupt_record", T.StringType())])
     paths = existing_date_dirs(spark, landing, dates)
     if not paths:
-        empty = spark.createDataFrame([], schema)
-        return empty.withColumn("source_file", F.lit(None).cast("string"))
-    lines = (
-        spark.read.schema(schema)
-        .option("mode", "PERMISSIVE")
-        .option("columnNameOfCorruptRecord", "_corrupt_record")
-        .option("recursiveFileLookup", "true")
-        .option("pathGlobFilter", "*.jsonl")
-        .json(paths)
-    )
+        schema = T.StructType([T.StructField("value", T.StringType()), T.StructField("source_file", T.StringType())])
+        return spark.createDataFrame([], schema)
+    lines = spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", "*.jsonl").text(paths)
     return lines.withColumn("source_file", F.col("_metadata.file_path"))
 
 

@@ -81,14 +81,16 @@ def envelope(
     ).encode()
 
 
-def write_landing(root: Path, records: list[tuple[str, bytes, dt.datetime, str | None]], writer_id: str = "t") -> None:
+def write_landing(
+    root: Path, records: list[tuple[str, bytes, dt.datetime, str | None]], writer_id: str = "t", embed: bool = True
+) -> None:
     """Land (topic, payload, arrival, msg_id) records with the lander's own writer, then roll (one file per
-    arrival date and gateway)."""
+    arrival date and gateway). ``embed`` False: landing format 1 (every payload as a JSON string)."""
     from pipeline.lander import LandingWriter, gateway_of, landing_record
 
     writer = LandingWriter(root, writer_id)
     for topic, payload, arrival, msg_id in records:
-        writer.append(landing_record(topic, payload, arrival, msg_id, 1, False), gateway_of(topic), arrival)
+        writer.append(landing_record(topic, payload, arrival, msg_id, 1, False, embed), gateway_of(topic), arrival)
     writer.roll()
 
 

@@ -430,9 +430,67 @@ def test_landing_writer_hides_unrolled_lines(tmp_path: Path) -> None:
     files = writer.roll()
     assert [f.relative_to(tmp_path).parent.as_posix() for f in files] == ["date=2024-05-01/gateway=gw-a"]
     assert landed_lines(tmp_path) == [{"topic": "fleet/gw-a/buoy-1", "arrival": "2024-05-01T23:59:59.500000Z",
-                                       "msg_id": "gw-a:1", "qos": 1, "retain": False, "payload": "{}"}]  # fmt: skip
+                                       "msg_id": "gw-a:1", "qos": 1, "retain": False, "payload": {}}]  # fmt: skip
     writer.append(landing_record("fleet/gw-a/buoy-1", b"{}", at, None, 1, False), "gw-a", at)
     writer._open.popitem()[1].handle.close()  # a crash: the file stays hidden
     assert LandingWriter(tmp_path, "other").remove_stale_temp_files() == 0
     assert LandingWriter(tmp_path, "lander-1").remove_stale_temp_files() == 1
     assert list(tmp_path.rglob("*.inprogress")) == []
+
+
+def test_landing_format_2_embeds_a_json_object_payload_byte_for_byte(tmp_path: Path) -> None:
+    """Landing format 2: a payload that is one strict JSON object on one line is written into the line as the object
+    itself, byte for byte, as the last key; anything else (not an object, NaN, a line break, not UTF-8) stays a
+    JSON string (or base64), as in format 1, which ``embed_objects=False`` still writes."""
+    from pipeline.lander import encode_line, landing_record
+
+    at = ts("2024-05-01T12:00:00")
+    head = '{"topic":"fleet/gw-a/b","arrival":"2024-05-01T12:00:00.000000Z","msg_id":null,"qos":1,"retain":false'
+
+    def line(payload: bytes, embed: bool = True) -> str:
+        return encode_line(landing_record("fleet/gw-a/b", payload, at, None, 1, False, embed)).decode()
+
+    spaced = b'{ "v": 1,  "x": 1.50, "s": "\\u00e9\\n", "n": null }'
+    assert line(spaced) == head + ',"payload":' + spaced.decode() + "}\n"
+    assert json.loads(line(spaced))["payload"] == json.loads(spaced)
+    assert line(spaced, embed=False) == head + ',"payload":' + json.dumps(spaced.decode(), ensure_ascii=False) + "}\n"
+    for text in [b"[1, 2]", b'"x"', b"12", b"not json", b'{"v": NaN}', b'{"v":\n1}', b'{"v": 1} {"v": 2}', b""]:
+        assert json.loads(line(text))["payload"] == text.decode(), text
+    assert json.loads(line(b"\xff{}"))["payload_b64"] == "/3t9"
+
+
+def test_landing_format_1_and_2_give_the_same_tables(spark: Any, tmp_path: Path) -> None:
+    """The same messages landed as format 1 (every payload a JSON string: landing areas from before) and as format 2
+    (JSON object payloads embedded) give identical rows in every table, whichever way each line is parsed (once,
+    when the envelope is complete and valid; else field by field as before); the quarantine keeps a format 2
+    payload's exact text (spacing included)."""
+    arrival = ts("2024-05-01T12:06:00")
+    odd = [  # spaced (not Spark's compact rewrite), sensor_time absent, a null field, a bad name, duplicate keys
+        b'{ "v": 1, "gateway_id": "gw-a", "device": "buoy-1", "boot": 3, "seq": -5, "sensor_time": null,'
+        b' "gateway_time": "2024-05-01T12:05:00.000Z", "values": {"sst": {"value": 1.0e0, "unit": "degC"}} }',
+        b'{"v":1,"gateway_id":"gw-a","device":"buoy-1","boot":3,"seq":80,'
+        b'"gateway_time":"2024-05-01T12:05:00.000Z","values":{"sst":{"value":1,"unit":"degC"}}}',
+        b'{"v":1,"gateway_id":null,"device":"buoy-1","boot":3,"seq":81,"sensor_time":null,'
+        b'"gateway_time":"2024-05-01T12:05:00.000Z","values":{"sst":{"value":1,"unit":"degC"}}}',
+        b'{"v":1,"gateway_id":"gw-a","device":"buoy-1","boot":3,"seq":82,"sensor_time":"2024-05-01T12:04:59.000Z",'
+        b'"gateway_time":"2024-05-01T12:05:00.000Z","values":{"Sea Temp":{"value":1,"unit":"degC"}}}',
+        b'{"v":1,"v":1,"gateway_id":"gw-a","device":"buoy-1","boot":3,"seq":83,"sensor_time":null,'
+        b'"gateway_time":"2024-05-01T12:05:01.000Z","values":{"sst":{"value":2,"unit":"degC"}}}',
+    ]
+    records = _gw_a() + _gw_b() + [(t, p, arrival, None) for t, p, _ in MALFORMED]
+    records += [("fleet/gw-a/buoy-1", p, arrival, f"gw-a:{i}") for i, p in enumerate(odd)]
+    snapshots = []
+    for embed in (False, True):
+        root = tmp_path / f"embed-{embed}"
+        write_landing(root / "landing", records, embed=embed)
+        stats = jobs.run(spark, _cfg(root), "all", DAY, DAY)
+        assert (stats["clean"], stats["quarantine"]) == (19, 13)
+        snapshots.append(_snapshot(spark, root, DAY, DAY))
+    for name in TABLES:
+        assertDataFrameEqual(snapshots[1][name], snapshots[0][name])
+    quarantined = {r["payload"] for r in snapshots[1]["quarantine"]}
+    assert {odd[0].decode(), odd[1].decode(), odd[2].decode(), odd[3].decode()} <= quarantined
+    reasons = {r["payload"]: r["reason"] for r in snapshots[1]["quarantine"]}
+    assert [reasons[p.decode()] for p in odd[:4]] == [
+        "negative:seq", "missing:sensor_time", "missing:gateway_id", "bad_name:Sea Temp"
+    ]  # fmt: skip
