@@ -98,7 +98,8 @@ def board(request: pytest.FixtureRequest, binfmt: list[str], tmp_path_factory: p
     _timed(f"{arch} extract", started)
     try:
         built: list[str] = []
-        for run in (1, 2):
+        # CROSS_ARCH_ONCE=1: one provisioning run, no idempotence check (half the time, for a quick look)
+        for run in (1,) if os.environ.get("CROSS_ARCH_ONCE") else (1, 2):
             started = time.monotonic()
             proc = _playbook(root, arch, work)
             _timed(f"{arch} provisioning run {run}", started)
@@ -245,5 +246,6 @@ def test_qos1_round_trip_through_the_broker(board: tuple[str, Path]) -> None:
             broker.kill()
             code = broker.wait()
         reader.join(5)
+        broker.stderr.close()
     assert code == 0, "\n".join(lines)
     assert (state / "store").exists()
