@@ -73,8 +73,8 @@ bench: venv deps $(AMQTT_VENV)/.installed
 test-cluster: venv deps
 	FLEET_CLUSTER_TEST=1 $(BIN)/python -m pytest tests/test_pipeline_cluster.py -q
 
-# Provisioning across architectures (tests/test_cross_arch.py, issue 16; not part of `make test`: about 20 min on the
-# shared 2-core machine, README "Provisioning"): arm64 and armhf Debian roots (mmdebstrap --arch, cached under
+# Provisioning across architectures (tests/test_cross_arch.py, issue 16; not part of `make test`: about 30 min per
+# board on the shared 2-core machine, README "Provisioning across architectures"): arm64 and armhf Debian roots (mmdebstrap --arch, cached under
 # build/cross/) run under qemu-user, registered with binfmt_misc for the test only, provisioned by ansible/site.yml
 # through the chroot connection; inside each: --version, check-config, a QoS 1 round trip. Needs root.
 CROSS_APT_PACKAGES := mmdebstrap arch-test qemu-user-static
