@@ -28,6 +28,7 @@ import json
 import os
 import resource
 import selectors
+import shutil
 import socket
 import struct
 import sys
@@ -319,6 +320,10 @@ def run_once(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         })
     finally:
         w.close()
+        broker.stop()
+        if args.keep_logs:
+            Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+            shutil.copy(broker.log_path, Path(args.keep_logs) / f"{kind}-{time.strftime('%H%M%S')}.log")
         broker.cleanup()
     return result
 
@@ -340,6 +345,7 @@ def main() -> int:
     ap.add_argument("--idle-keep-alive", type=int, default=600)
     ap.add_argument("--concurrency", type=int, default=24, help="CONNECTs waiting for CONNACK per idle worker")
     ap.add_argument("--brokers", default="mosquitto,edge-gateway")
+    ap.add_argument("--keep-logs", metavar="DIR", help="copy each broker's log here before its directory goes")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.idle_per_worker > PER_ADDRESS:
