@@ -100,6 +100,12 @@ def landed_lines(root: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
 
 
+def payload_of(line: dict[str, Any]) -> Any:
+    """A landing line's payload as JSON: embedded as the object (format 2) or a JSON string (format 1)."""
+    payload = line["payload"]
+    return json.loads(payload) if isinstance(payload, str) else payload
+
+
 # -- Mosquitto and the lander as real processes ---------------------------------------------------------------------
 
 

@@ -20,7 +20,16 @@ import paho.mqtt.client as mqtt
 from bridge_helpers import BridgeProcess, read_stats
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-from pipeline_fixtures import LanderProcess, Mosquitto, envelope, landed_lines, mosquitto, spark, wait_for
+from pipeline_fixtures import (
+    LanderProcess,
+    Mosquitto,
+    envelope,
+    landed_lines,
+    mosquitto,
+    payload_of,
+    spark,
+    wait_for,
+)
 from upstream_peers import LocalClient
 from upstream_peers import Mosquitto as CloudBroker
 
@@ -54,8 +63,9 @@ def _ids(landing: Path) -> list[str]:
 
 
 def test_lander_writes_raw_messages_as_json_lines_by_date_and_gateway(mosquitto: Mosquitto, tmp_path: Path) -> None:
-    """Each message becomes one JSON line (topic, arrival UTC, msg_id User Property or null, payload as received,
-    base64 when not UTF-8) in <landing>/date=<arrival date>/gateway=<from the topic>/part-*.jsonl; SIGTERM lands
+    """Each message becomes one JSON line (topic, arrival UTC, msg_id User Property or null, payload as received:
+    a JSON object embedded as the object (landing format 2), base64 when not UTF-8) in
+    <landing>/date=<arrival date>/gateway=<from the topic>/part-*.jsonl; SIGTERM lands
     what is pending, acknowledges it and exits 0, leaving no hidden temporary file."""
     landing = tmp_path / "landing"
     cid = "lander-format"
@@ -80,7 +90,7 @@ def test_lander_writes_raw_messages_as_json_lines_by_date_and_gateway(mosquitto:
     arrivals = [dt.datetime.fromisoformat(r.pop("arrival").replace("Z", "+00:00")) for r in lines]
     assert all(before <= a <= after for a in arrivals)
     assert lines == [
-        {"topic": "fleet/gw-1/buoy", "msg_id": "gw-1:1", "qos": 1, "retain": False, "payload": '{"v": 1}'},
+        {"topic": "fleet/gw-1/buoy", "msg_id": "gw-1:1", "qos": 1, "retain": False, "payload": {"v": 1}},
         {"topic": "fleet/gw-2/ctd", "msg_id": None, "qos": 1, "retain": False, "payload": None,
          "payload_b64": "/wBiaW5hcnk="},
     ]  # fmt: skip
@@ -465,7 +475,7 @@ def test_end_to_end_simulator_bridge_upstream_outage_lander_spark(spark: Any, ma
         assert (_sys(obs, "connects"), _sys(obs, "dropped"), _sys(obs, "inflight")) == ("2", "0", "0")
         assert forwarded_during_outage + len(during) <= n
         lines = landed_lines(landing)
-        landed = {json.loads(r["payload"])["seq"] for r in lines}
+        landed = {payload_of(r)["seq"] for r in lines}
         assert set(during) <= landed and landed == set(sent)
         assert f"connection to 127.0.0.1:{cloud.port} lost" in lander.log()  # the lander saw the outage too ...
         assert lander.log().count("lander ready") == 2  # ... and resumed its session
@@ -473,7 +483,7 @@ def test_end_to_end_simulator_bridge_upstream_outage_lander_spark(spark: Any, ma
         # -- where the duplicates come from --
         msg_ids: dict[int, set[str]] = {}
         for r in lines:
-            msg_ids.setdefault(json.loads(r["payload"])["seq"], set()).add(r["msg_id"])
+            msg_ids.setdefault(payload_of(r)["seq"], set()).add(r["msg_id"])
         assert all(len(ids) == 1 for ids in msg_ids.values())  # every copy of a reading has its one msg_id
         assert len({next(iter(ids)) for ids in msg_ids.values()}) == n
         resent = int(_sys(obs, "publish/sent") or 0) - int(_sys(obs, "forwarded/messages") or 0)
@@ -484,7 +494,7 @@ def test_end_to_end_simulator_bridge_upstream_outage_lander_spark(spark: Any, ma
         redelivered = len(re.findall(rf"Sending PUBLISH to {E2E_LANDER} \(d1, q1, r0, m\d+, 'fleet/", cloud_log))
         assert redelivered > 0  # the cloud stopped while the lander had unacknowledged messages
         assert len(lines) == n + upstream_duplicates + redelivered
-        days = sorted({dt.date.fromisoformat(json.loads(r["payload"])["gateway_time"][:10]) for r in lines})
+        days = sorted({dt.date.fromisoformat(payload_of(r)["gateway_time"][:10]) for r in lines})
         check_cloud_side(spark, landing, tables, days[0], {(E2E_GW, E2E_DEVICE): sent},
                          expected_duplicates=upstream_duplicates + redelivered, last=days[-1])  # fmt: skip
     finally:
