@@ -111,8 +111,8 @@ fuzz: venv
 # provisioned with ansible/site.yml through the chroot connection, written as build/appliance/edge-gateway-$(ARCH).img
 # (boot, read-only root and data partitions) + .bmap. Needs root. `make image-test` boots it under qemu (TCG), checks
 # the services inside and cuts its power 3 times (image/vm_test.py). ARCH=arm64: the Raspberry Pi / arm64 image, built
-# with qemu-user (binfmt_misc registered for the build only) and booted under qemu-system-aarch64 (not in make test:
-# README "The arm64 image" has the stage times).
+# with qemu-user (binfmt_misc registered for the build only) and booted under qemu-system-aarch64 (not in make test,
+# far over 10 min here: README "The arm64 image").
 # `make image-powercut RUNS=20`: the power-cut soak (RUNS SIGKILLs of qemu mid-stream, one boot each).
 ARCH ?= amd64
 RUNS ?= 20
