@@ -414,6 +414,8 @@ def main() -> int:
     rng = random.Random(seed)
     tag = f"-{args.arch}" + (f"-{args.machine}" if args.machine else "")
     serial = args.out / f"serial{tag}.log"
+    for stale in args.out.glob(f"serial{tag}-boot*.log"):  # the later boots' logs of an earlier run
+        stale.unlink()
     failures: list[str] = []
     cuts: list[Cut] = []
     disk = Path(arch.disk)
