@@ -720,7 +720,8 @@ async def serve(cfg: BridgeConfig, stop: asyncio.Event | None = None) -> None:
     )
     metrics = None
     if cfg.metrics_bind is not None:  # imported only when configured
-        from firmware_bridge.metrics import BridgeCollector, MetricsServer
+        from firmware_bridge.metrics import BridgeCollector
+        from gateway.metrics_endpoint import MetricsServer
 
         metrics = MetricsServer(cfg.metrics_bind, BridgeCollector(bridge, loop))
         try:

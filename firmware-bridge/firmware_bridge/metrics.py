@@ -15,22 +15,18 @@ codes, ...).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from firmware_bridge.frames import BAD_CHECKSUM, BAD_CRC, BAD_FIELD, BAD_JSON, BAD_SENTENCE, GARBAGE, TOO_LONG
-from gateway.values import parse_address
+from gateway.metrics_endpoint import call_on_loop
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
     from firmware_bridge.bridge import Bridge
 
@@ -42,7 +38,6 @@ OUTCOMES = {
     "nmea": ("ok", BAD_CHECKSUM, BAD_SENTENCE, TOO_LONG, GARBAGE),
     "modbus-rtu": ("ok",),
 }
-SNAPSHOT_TIMEOUT = 10.0  # seconds a scrape waits for the event loop
 
 
 class BridgeCollector(Collector):
@@ -61,28 +56,8 @@ class BridgeCollector(Collector):
         ages = {name: None if st.last_at is None else now - st.last_at for name, st in self.bridge.devices.items()}
         return self.bridge.stats(), ages
 
-    def _on_loop(self) -> tuple[dict[str, Any], dict[str, float | None]] | None:
-        if self.loop.is_closed():
-            return None
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(self.snapshot())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        try:
-            self.loop.call_soon_threadsafe(run)
-            return future.result(SNAPSHOT_TIMEOUT)
-        except RuntimeError:
-            return None
-        except concurrent.futures.TimeoutError:
-            log.warning("metrics: the event loop did not answer within %.0f s", SNAPSHOT_TIMEOUT)
-            return None
-
     def collect(self) -> Iterator[Metric]:
-        snap = self._on_loop()
+        snap = call_on_loop(self.loop, self.snapshot)
         if snap is None:
             return
         stats, ages = snap
@@ -155,31 +130,3 @@ class BridgeCollector(Collector):
             if ages.get(name) is not None:
                 age.add_metric(row, ages[name])
         yield from (readings, lost, reboots, age)
-
-
-class MetricsServer:
-    """``/metrics`` on ``bind`` (prometheus-client's HTTP thread) for one bridge, with the process metrics."""
-
-    def __init__(self, bind: str, collector: Collector) -> None:
-        self.bind = bind
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        ProcessCollector(registry=self.registry)
-        self._httpd: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> str:
-        """Listen and serve; returns ``host:port`` (the real port when 0 was asked). Raises OSError."""
-        address = parse_address(self.bind)
-        self._httpd, self._thread = start_http_server(address.port, address.host, self.registry)
-        host, port = self._httpd.server_address[:2]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-    def stop(self) -> None:
-        if self._httpd is None:
-            return
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(2.0)
-        self._httpd = None

@@ -19,15 +19,12 @@ Names follow the Prometheus conventions (``edge_gateway_`` prefix, ``_total`` co
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -39,12 +36,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gateway import __version__
+from gateway.metrics_endpoint import call_on_loop
 from gateway.mqtt.packets import PACKET_NAMES
 from gateway.store.writer import FSYNC_BUCKETS
-from gateway.values import parse_address
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
     from gateway.broker.broker import Broker
     from gateway.store.lmdb_store import LmdbStore
@@ -61,8 +57,6 @@ DROP_REASONS = (
 )
 #: Upstream link states (gateway/upstream/link.py).
 LINK_STATES = ("connecting", "connected", "backing-off", "stopped")
-#: Seconds a scrape waits for the event loop's snapshot before it answers without the broker's metrics.
-SNAPSHOT_TIMEOUT = 10.0
 
 
 @dataclass(slots=True)
@@ -171,34 +165,10 @@ class BrokerCollector(Collector):
                 })
         return snap
 
-    def _on_loop(self, fn: Callable[[], Snapshot]) -> Snapshot | None:
-        """``fn()`` run on the event loop (directly when called there); None when the loop is gone or too busy."""
-        if self.loop.is_closed():
-            return None
-        if _running_loop() is self.loop:
-            return fn()
-        future: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the scraping thread
-                future.set_exception(exc)
-
-        try:
-            self.loop.call_soon_threadsafe(run)
-            return future.result(SNAPSHOT_TIMEOUT)
-        except RuntimeError:  # the loop closed meanwhile
-            return None
-        except concurrent.futures.TimeoutError:
-            log.warning("metrics: the event loop did not answer within %.0f s; scrape without broker metrics",
-                        SNAPSHOT_TIMEOUT)
-            return None
-
     # ------------------------------------------------------------------------------------------ the families
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._on_loop(lambda: self.snapshot(time.time()))
+        snap = call_on_loop(self.loop, lambda: self.snapshot(time.time()))
         if snap is None:
             return
         yield from _broker_families(snap)
@@ -207,13 +177,6 @@ class BrokerCollector(Collector):
         yield from _disk_families()
         if self.upstream is not None:
             yield from _link_families(snap.links)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _counter(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
@@ -388,40 +351,3 @@ def _link_families(links: list[dict[str, Any]]) -> Iterator[Metric]:
     yield rtt
     yield _gauge(p + "last_round_trip_seconds", "The last round trip (0 before the first), seconds.", labels=label,
                  rows=per_link(lambda x: x["rtt_last"] or 0.0))
-
-
-# ---------------------------------------------------------------------------------------------- the endpoint
-
-
-class MetricsServer:
-    """``/metrics`` on ``bind``: prometheus-client's HTTP server thread over a registry holding a
-    :class:`BrokerCollector` and the process collector.
-
-    Raises:
-        OSError: from :meth:`start`, when ``bind`` cannot be listened on.
-    """
-
-    def __init__(self, bind: str, collector: Collector) -> None:
-        self.bind = bind
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
-        ProcessCollector(registry=self.registry)
-        self._httpd: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> str:
-        """Listen and serve in a daemon thread; returns where (``host:port``, the real port when 0 was asked)."""
-        address = parse_address(self.bind)
-        self._httpd, self._thread = start_http_server(address.port, address.host, self.registry)
-        host, port = self._httpd.server_address[:2]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-
-    def stop(self) -> None:
-        """Stop serving and close the socket (waits for the thread, at most 2 s)."""
-        if self._httpd is None:
-            return
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(2.0)
-        self._httpd = None

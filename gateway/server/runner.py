@@ -70,7 +70,8 @@ def _start_metrics(config: GatewayConfig, broker: Broker, loop: asyncio.Abstract
     """
     if config.metrics_bind is None:
         return None
-    from gateway.server.metrics import BrokerCollector, MetricsServer
+    from gateway.metrics_endpoint import MetricsServer
+    from gateway.server.metrics import BrokerCollector
 
     metrics = MetricsServer(config.metrics_bind, BrokerCollector(broker, loop, lmdb_store, upstream))
     try:
