@@ -286,6 +286,9 @@ class Broker:
                 'bind = "127.0.0.1:0"\n'
                 f"max_inflight = {MAX_INFLIGHT}\n"
                 f"max_mqueue_len = {MAX_QUEUED}\n"
+                # Like Mosquitto's max_queued_messages 1000000 (64-byte payloads: ~70 MB): a subscriber that falls
+                # behind is queued for, not dropped at the 1 MiB default (README, high_watermark).
+                'high_watermark = "64MB"\n'
                 "message_expiry_interval = 0\n"
                 + (f'certfile = "{sec.certfile}"\nkeyfile = "{sec.keyfile}"\n' if sec.certfile else "")
                 + (f'allow_anonymous = false\npassword_file = "{sec.password_file}"\nacl_file = "{sec.acl_file}"\n'
