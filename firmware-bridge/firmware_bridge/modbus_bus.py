@@ -36,6 +36,7 @@ from pymodbus.framer import FramerType
 
 from firmware_bridge import modbus
 from firmware_bridge.config import PortConfig
+from firmware_bridge.serial_io import PortLink
 
 log = logging.getLogger("firmware_bridge.modbus")
 COMM_FAULTS = ("timeout", "crc_error", "bad_response")
@@ -109,7 +110,7 @@ class Write:
     done: Callable[[dict[str, Any]], None]  # called once with the reply body
 
 
-class ModbusBus:
+class ModbusBus(PortLink):
     """One RS-485 bus: reopened forever until :meth:`close`, polled by one task.
 
     Args:
@@ -209,11 +210,6 @@ class ModbusBus:
             trace_packet=self._trace_packet,
             trace_connect=self._trace_connect,
         )
-
-    def _set_state(self, state: str, detail: str) -> None:
-        self.state = state
-        if self.on_state is not None:
-            self.on_state(self, state, detail)
 
     async def run(self) -> None:
         """Open, poll until the port is lost, back off, reopen; returns after :meth:`close`."""

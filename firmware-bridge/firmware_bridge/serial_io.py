@@ -47,7 +47,20 @@ class _PortProtocol(asyncio.Protocol):
             self.lost.set_result(exc)
 
 
-class SerialLink:
+class PortLink:
+    """What every port's task shares (:class:`SerialLink`, :class:`firmware_bridge.modbus_bus.ModbusBus`):
+    ``state`` (``"closed"`` or ``"open"``) and the ``on_state(link, state, detail)`` callback told of each change."""
+
+    state: str
+    on_state: Callable[[Any, str, str], None] | None
+
+    def _set_state(self, state: str, detail: str) -> None:
+        self.state = state
+        if self.on_state is not None:
+            self.on_state(self, state, detail)
+
+
+class SerialLink(PortLink):
     """One serial port: reopened forever until :meth:`close`.
 
     Attributes:
@@ -102,11 +115,6 @@ class SerialLink:
             exclusive=True,
         )
         return protocol
-
-    def _set_state(self, state: str, detail: str) -> None:
-        self.state = state
-        if self.on_state is not None:
-            self.on_state(self, state, detail)
 
     async def run(self) -> None:
         """Open, read until lost, back off, reopen; returns after :meth:`close`."""
