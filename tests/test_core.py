@@ -15,7 +15,7 @@ import pytest
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.session import CLOSED, CONNECTED
-from gateway.broker.store import MemoryStore
+from gateway.broker.store import ChangeLog, MemoryStore, StoreChange
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (
     Connack,
@@ -703,3 +703,110 @@ def test_mqtt_3_3_1_retained_messages_to_new_subscribers_are_the_current_ones_in
     assert new_subscriber("e", 4, 1) == want
     live = {broker.retained.get(topic).mid for topic in want}  # type: ignore[union-attr]
     assert set(broker.retained.encoded) <= live
+
+
+# --------------------------------------------------------------------------- store changes as output (DESIGN.md §4)
+
+
+def changelog_broker(now: float = 0.0) -> tuple[Broker, ChangeLog]:
+    store = ChangeLog()
+    return Broker(BrokerSettings(sys_interval=0), store, now=now), store
+
+
+def ops(changes: list[StoreChange]) -> list[tuple[str, str | None]]:
+    return [(c.op, c.client_id) for c in changes]
+
+
+def subscribed(broker: Broker, store: ChangeLog, client_id: str, persistent: bool) -> Client:
+    """A client subscribed to ``t`` at QoS 1, its SUBACK committed and read; the records taken."""
+    client = Client(broker, 4)
+    client.connect(client_id, clean_start=not persistent)
+    client.send(Subscribe(1, [Subscription("t", 1)]))
+    store.commit()
+    assert [type(p) for p in client.read()] == [Suback]
+    store.take()
+    return client
+
+
+def test_design_4_puback_is_output_only_after_the_queue_row_it_caused_is_committed() -> None:
+    broker, store = changelog_broker()
+    sub = Client(broker, 4, ZoneLimits())
+    sub.connect("sub", clean_start=False)
+    sub.send(Subscribe(1, [Subscription("t", 1)]))
+    assert sub.read() == []  # the SUBACK waits for the subscription row
+    assert ops(store.take()) == [("session_saved", "sub"), ("subscription_saved", "sub"), ("durable", None)]
+    assert store.commit() == 1
+    assert [type(p) for p in sub.read()] == [Suback]
+    sub.disconnect()
+    store.take()
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    pub.send(Publish("t", b"kept", qos=1, packet_id=7))
+    changes = store.take()
+    assert ops(changes) == [("delivery_saved", "sub"), ("durable", None)]
+    assert changes[0].value.message.payload == b"kept" and changes[0].key == 1  # the queue row, store seq 1
+    assert pub.read() == []  # not acknowledged before the row is durable
+    assert store.commit() == 1
+    assert [(type(p), p.packet_id, p.reason_code) for p in pub.read()] == [(PubAck, 7, 0)]
+
+
+def test_design_4_a_failed_commit_refuses_the_publish_0x97_in_5_0_and_disconnects_in_3_1_1() -> None:
+    broker, store = changelog_broker()
+    subscribed(broker, store, "sub", persistent=True).disconnect()
+    pub5 = Client(broker, 5)
+    pub5.connect("pub5")
+    pub5.send(Publish("t", b"x", qos=1, packet_id=3))
+    pub4 = Client(broker, 4)
+    pub4.connect("pub4")
+    pub4.send(Publish("t", b"y", qos=1, packet_id=4))
+    assert store.fail(full=True) == 2
+    assert [(type(p), p.packet_id, p.reason_code) for p in pub5.read()] == [(PubAck, 3, RC.QUOTA_EXCEEDED)]
+    assert pub4.read() == [] and pub4.conn.state == CLOSED  # 3.1.1 cannot refuse: no PUBACK, closed
+    assert broker.stats.dropped["store_full"] == 2
+
+
+def test_design_4_a_full_store_refuses_new_work_at_once_and_keeps_qos0_flowing() -> None:
+    broker, store = changelog_broker()
+    sub = subscribed(broker, store, "sub", persistent=False)
+    store.room = False
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    pub.send(Publish("t", b"q1", qos=1, packet_id=1))
+    assert [(type(p), p.reason_code) for p in pub.read()] == [(PubAck, RC.QUOTA_EXCEEDED)]
+    pub.send(Publish("t", b"q0", qos=0))
+    assert [p.payload for p in sub.publishes()] == [b"q0"]
+    assert store.take() == []  # nothing was recorded for the refused message
+
+
+def test_design_4_qos2_pubrec_after_the_awaiting_pubrel_state_is_committed_and_pubcomp_after_its_release() -> None:
+    broker, store = changelog_broker()
+    pub = Client(broker, 5)
+    pub.connect("pub", clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 60})
+    store.take()
+    pub.send(Publish("t", b"once", qos=2, packet_id=11))
+    assert ops(store.take()) == [("inbound_saved", "pub"), ("durable", None)]
+    assert pub.read() == []
+    store.commit()
+    assert [(type(p), p.packet_id) for p in pub.read()] == [(PubRec, 11)]
+    pub.send(PubRel(11))
+    changes = store.take()
+    assert ops(changes) == [("inbound_deleted", "pub"), ("durable", None)] and changes[0].key == 11
+    assert pub.read() == []
+    store.commit()
+    assert [(type(p), p.packet_id) for p in pub.read()] == [(PubComp, 11)]
+
+
+def test_design_4_a_delivered_then_acknowledged_message_leaves_the_store() -> None:
+    broker, store = changelog_broker()
+    sub = subscribed(broker, store, "sub", persistent=True)
+    pub = Client(broker, 4)
+    pub.connect("pub")
+    store.take()
+    pub.send(Publish("t", b"m", qos=1, packet_id=1))
+    saved = store.take()
+    assert ops(saved) == [("delivery_saved", "sub"), ("durable", None)]
+    store.commit()
+    (delivered,) = sub.publishes()
+    sub.send(PubAck(delivered.packet_id))
+    deleted = store.take()
+    assert ops(deleted) == [("delivery_deleted", "sub")] and deleted[0].key == saved[0].key

@@ -7,18 +7,23 @@ the order they were registered once everything recorded before them is committed
 disk or ``store.max_size`` is full), their ``on_failure`` callbacks run instead, so that a publisher is refused
 (0x97) rather than left waiting (DESIGN.md §4).
 
-``gateway/store/`` implements this on LMDB; :class:`MemoryStore` keeps nothing and runs callbacks at once.
+``gateway/store/`` implements this on LMDB; :class:`MemoryStore` keeps nothing and runs callbacks at once;
+:class:`ChangeLog` is the sans-I/O form of the same interface: every change the core makes is an output record
+(:class:`StoreChange`) in :attr:`ChangeLog.changes`, and the acknowledgements that wait for them stay held until
+whoever performs the records says they are committed (:meth:`ChangeLog.commit`) or failed (:meth:`ChangeLog.fail`).
+The in-process tests of the core read the records (tests/test_core.py); the LMDB store performs the same calls as
+LMDB operations on its writer thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from gateway.broker.pager import QueuePager
 
-__all__ = ["LoadedState", "MemoryStore", "OutboxRecord", "QueuePager", "SessionStore"]
+__all__ = ["ChangeLog", "LoadedState", "MemoryStore", "OutboxRecord", "QueuePager", "SessionStore", "StoreChange"]
 
 if TYPE_CHECKING:
     from gateway.broker.message import Delivery, Message
@@ -209,3 +214,115 @@ class MemoryStore:
 
     def close(self) -> None:
         pass
+
+
+class StoreChange(NamedTuple):
+    """One change the core asked the store to make durable: an output record of the core (:class:`ChangeLog`).
+
+    Attributes:
+        op: the :class:`SessionStore` method that recorded it (``"delivery_saved"``, ``"inbound_deleted"``, ...),
+            or ``"durable"`` for a barrier: an acknowledgement that waits for every change recorded before it.
+        client_id: the session (or upstream link) it belongs to; ``None`` for retained messages and barriers.
+        key: what it is about: a Topic Filter, a Packet Identifier, a store sequence number, a topic, or ``None``.
+        value: the stored object (:class:`Session`, :class:`Delivery`, :class:`Message`, ...), or ``None``.
+    """
+
+    op: str
+    client_id: str | None
+    key: Any = None
+    value: Any = None
+
+
+class ChangeLog(MemoryStore):
+    """A :class:`SessionStore` that performs nothing: each change is appended to :attr:`changes` as a
+    :class:`StoreChange`, and ``when_durable`` acknowledgements (PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK) wait
+    until :meth:`commit` says the changes recorded before them are durable, or :meth:`fail` that they cannot be
+    (DESIGN.md §4: nothing is acknowledged before the work it caused is committed).
+
+    Queue rows get increasing store sequence numbers (``Delivery.seq``) as the LMDB store gives them; the Message
+    Queue does not page (``pager`` is ``None``). ``room`` is what :meth:`has_room` answers (False: a full store).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes: list[StoreChange] = []
+        self.room = True
+        self._seq = 0
+        self._waiting: list[tuple[Callable[[], None], Callable[[bool], None] | None]] = []
+
+    def take(self) -> list[StoreChange]:
+        """The records made since the last call (their order is the order they must be performed in)."""
+        changes, self.changes = self.changes, []
+        return changes
+
+    def commit(self) -> int:
+        """Everything recorded so far is durable: run the held acknowledgements in order; returns how many ran."""
+        waiting, self._waiting = self._waiting, []
+        for callback, _ in waiting:
+            callback()
+        return len(waiting)
+
+    def fail(self, full: bool = True) -> int:
+        """The records could not be committed (``full``: for lack of room, 0x97): run the held acknowledgements'
+        ``on_failure`` callbacks instead, in order; returns how many ran."""
+        waiting, self._waiting = self._waiting, []
+        ran = 0
+        for _, on_failure in waiting:
+            if on_failure is not None:
+                on_failure(full)
+                ran += 1
+        return ran
+
+    def _add(self, op: str, client_id: str | None, key: Any = None, value: Any = None) -> None:
+        self.changes.append(StoreChange(op, client_id, key, value))
+
+    def session_saved(self, session: Session) -> None:
+        self._add("session_saved", session.client_id, None, session)
+
+    def session_deleted(self, client_id: str) -> None:
+        self._add("session_deleted", client_id)
+
+    def subscription_saved(self, client_id: str, record: SubscriptionRecord) -> None:
+        self._add("subscription_saved", client_id, record.key, record)
+
+    def subscription_deleted(self, client_id: str, key: str) -> None:
+        self._add("subscription_deleted", client_id, key)
+
+    def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
+        if not delivery.seq:
+            self._seq += 1
+            delivery.seq = self._seq
+        self._add("delivery_saved", client_id, delivery.seq, delivery)
+
+    def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
+        if delivery.seq:
+            self._add("delivery_deleted", client_id, delivery.seq, delivery)
+
+    def deliveries_deleted(self, client_id: str, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            self.delivery_deleted(client_id, delivery)
+
+    def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
+        self._add("inbound_saved", client_id, packet_id, message)
+
+    def inbound_deleted(self, client_id: str, packet_id: int) -> None:
+        self._add("inbound_deleted", client_id, packet_id)
+
+    def retained_saved(self, message: Message) -> None:
+        self._add("retained_saved", None, message.topic, message)
+
+    def retained_deleted(self, topic: str) -> None:
+        self._add("retained_deleted", None, topic)
+
+    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
+        self._add("durable", None)
+        self._waiting.append((callback, on_failure))
+
+    def has_room(self, client_id: str | None) -> bool:
+        return self.room
+
+    def outbox_saved(self, link: str, record: OutboxRecord) -> None:
+        self._add("outbox_saved", link, record.seq, record)
+
+    def outbox_deleted(self, link: str, seq: int) -> None:
+        self._add("outbox_deleted", link, seq)
