@@ -116,8 +116,8 @@ fuzz: venv
 # `make image-powercut RUNS=20`: the power-cut soak (RUNS SIGKILLs of qemu mid-stream, one boot each).
 ARCH ?= amd64
 RUNS ?= 20
-IMAGE_APT_PACKAGES := mmdebstrap qemu-system-x86 qemu-system-arm qemu-user-static e2fsprogs dosfstools mtools fdisk \
-	bmap-tools strace
+IMAGE_APT_PACKAGES := mmdebstrap arch-test qemu-system-x86 qemu-system-arm qemu-user-static e2fsprogs dosfstools mtools \
+	fdisk bmap-tools strace
 
 image-deps:
 	@missing=""; for p in $(IMAGE_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

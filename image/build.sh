@@ -69,7 +69,8 @@ binfmt_cleanup() {
         printf -- -1 > "/proc/$binfmt_holder/root/proc/sys/fs/binfmt_misc/$name" 2>/dev/null \
             || printf 'image: could not remove the binfmt_misc entry %s\n' "$name" >&2
     done
-    if [ -n "$binfmt_holder" ]; then kill "$binfmt_holder" 2>/dev/null; wait "$binfmt_holder" 2>/dev/null; fi
+    # (|| true: wait returns 143 for the killed holder, which set -e would make the build's exit status)
+    if [ -n "$binfmt_holder" ]; then kill "$binfmt_holder" 2>/dev/null; wait "$binfmt_holder" 2>/dev/null || true; fi
     return 0
 }
 trap binfmt_cleanup EXIT
@@ -100,20 +101,36 @@ sources="$OUT/$SUITE-$ARCH.sources"
 python3 "$ROOT_DIR/image/apt-sources.py" --suite "$SUITE" --components "$COMPONENTS" > "$sources.new"
 mv "$sources.new" "$sources"
 # The cache key: what goes into the base (bump BASE_RECIPE when the mmdebstrap options below change).
-BASE_RECIPE=1
-key=$( { printf '%s\n' "$BASE_RECIPE" "$ARCH" "${PACKAGES[@]}"; cat "$sources"; } | sha256sum | cut -c1-16)
+BASE_RECIPE=2
+hooks=()
+initramfs_files=()
+if [ "$ARCH" = arm64 ]; then
+    # Before the kernel is installed (mmdebstrap's essential hook runs between the Essential packages and --include):
+    # an initramfs of the modules the boards need (MODULES=list), not Debian's "most", which under qemu-user took
+    # most of an hour of mkinitramfs (README "The arm64 image").
+    initramfs_files=("$ROOT_DIR/image/initramfs/edge-gateway.conf" "$ROOT_DIR/image/initramfs/edge-gateway-modules")
+    hooks+=(--essential-hook="install -D -m 0644 $ROOT_DIR/image/initramfs/edge-gateway.conf \"\$1/etc/initramfs-tools/conf.d/edge-gateway.conf\"")
+    hooks+=(--essential-hook="install -D -m 0755 $ROOT_DIR/image/initramfs/edge-gateway-modules \"\$1/etc/initramfs-tools/hooks/edge-gateway\"")
+fi
+key=$( { printf '%s\n' "$BASE_RECIPE" "$ARCH" "${PACKAGES[@]}"; cat "$sources" "${initramfs_files[@]}"; } \
+       | sha256sum | cut -c1-16)
 base="$OUT/base-$ARCH-$key.tar"
 if [ ! -f "$base" ]; then
     rm -f "$OUT"/base-"$ARCH"-*.tar
     log "mmdebstrap $SUITE/$ARCH from $(grep -m1 '^URIs:' "$sources" | cut -d' ' -f2) (the host's apt mirror)"
     include=$(IFS=,; echo "${PACKAGES[*]}")
     # --mode=root inside a private mount namespace: its bind mounts vanish with it, even on failure.
+    # Its output goes to mmdebstrap-ARCH.log with the time of each line (where the time goes under qemu-user).
     unshare --mount --propagation private -- \
-        mmdebstrap --mode=root --variant=minbase --arch="$ARCH" --include="$include" \
+        mmdebstrap --mode=root --variant=minbase --arch="$ARCH" --include="$include" --verbose \
             --aptopt='Acquire::Retries "3"' \
             --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
             --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-            "$SUITE" "$base.part.tar" "$sources"
+            "${hooks[@]}" "$SUITE" "$base.part.tar" "$sources" 2>&1 \
+        | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done > "$OUT/mmdebstrap-$ARCH.log" \
+        || { tail -30 "$OUT/mmdebstrap-$ARCH.log"; die "mmdebstrap failed (log: $OUT/mmdebstrap-$ARCH.log)"; }
+    grep -E 'Setting up linux-image|update-initramfs:|Processing triggers for initramfs|I: (running|cleaning)' \
+        "$OUT/mmdebstrap-$ARCH.log" || true
     mv "$base.part.tar" "$base"
     log "base system built: $base"
 else

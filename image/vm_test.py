@@ -55,6 +55,9 @@ CHECKS = ("broker-active", "pubsub-roundtrip", "bridge-reading", "watchdog-resta
 PROBE = re.compile(r"edge-gateway-probe: (.*)")
 INFLIGHT = 20
 TOPIC = "powercut"
+#: arm64 under TCG (an aarch64 guest translated on an x86 host) is slower than the amd64 guest: time limits x3
+#: (IMAGE_TEST_SCALE= overrides it)
+ARM64_SCALE = int(os.environ.get("IMAGE_TEST_SCALE", 3))
 
 
 def log(msg: str) -> None:
@@ -74,6 +77,9 @@ class Arch:
     root: str = "LABEL=eg-root"
     #: the Raspberry Pi machines: the disk is an SD card (size a power of 2), the console the second UART
     raspi: bool = False
+    #: how much slower than amd64 on q35 this machine runs under TCG: every time limit of this script and of the
+    #: probe (``edge_gateway.probe_scale=``) is multiplied by it; the checks stay the same
+    scale: int = 1
 
 
 def arch_config(arch: str, machine: str, out: Path) -> Arch:
@@ -84,12 +90,12 @@ def arch_config(arch: str, machine: str, out: Path) -> Arch:
                     disk)
     if arch == "arm64" and machine in ("", "virt"):
         return Arch(["qemu-system-aarch64", "-machine", "virt", "-cpu", "cortex-a53", "-smp", "2", "-m", "1024"],
-                    "ttyAMA0", disk)
+                    "ttyAMA0", disk, scale=ARM64_SCALE)
     if arch == "arm64" and machine == "raspi3b":
         # 4 Cortex-A53 and 1 GiB are fixed by the machine; the Pi 3's console is the mini UART (ttyS1, qemu's second
         # serial port), the PL011 (ttyAMA0) belongs to Bluetooth in the upstream device tree.
         return Arch(["qemu-system-aarch64", "-machine", "raspi3b", "-m", "1024"], "ttyS1,115200", disk,
-                    raspi=True)
+                    raspi=True, scale=ARM64_SCALE)
     raise SystemExit(f"vm_test.py: --arch {arch!r} --machine {machine!r}: amd64 (q35), arm64 (virt or raspi3b)")
 
 
@@ -279,13 +285,13 @@ def connect(port: int, client_id: str, clean: bool, seconds: float,
     raise RuntimeError(f"{client_id} could not connect to 127.0.0.1:{port} within {seconds:.0f} s: {last}")
 
 
-def subscribe_offline(port: int) -> None:
+def subscribe_offline(port: int, scale: int) -> None:
     """The persistent session: subscribe powercut/# with QoS 1 and go away (clean_session=0 keeps it)."""
-    client = connect(port, "powercut-sub", clean=False, seconds=60)
+    client = connect(port, "powercut-sub", clean=False, seconds=60 * scale)
     done = threading.Event()
     client.on_subscribe = lambda *a: done.set()
     client.subscribe(f"{TOPIC}/#", qos=1)
-    if not done.wait(30):
+    if not done.wait(30 * scale):
         raise RuntimeError("no SUBACK for powercut/#")
     client.disconnect()
     client.loop_stop()
@@ -310,7 +316,7 @@ class Cut:
 
 def publish_and_cut(vm: Vm, port: int, cut: Cut, kill_after: int) -> None:
     """Publish numbered QoS 1 messages; SIGKILL qemu once ``kill_after`` are acknowledged (more in flight)."""
-    client = connect(port, "powercut-pub", clean=True, seconds=60)
+    client = connect(port, "powercut-pub", clean=True, seconds=60 * vm.arch.scale)
     pending: list[tuple[int, mqtt.MQTTMessageInfo]] = []
     seq = 0
     killed_at = 0.0
@@ -345,7 +351,7 @@ def publish_and_cut(vm: Vm, port: int, cut: Cut, kill_after: int) -> None:
     cut.sent = seq
 
 
-def drain(port: int, cut: Cut, seconds: float) -> None:
+def drain(port: int, cut: Cut, seconds: float, scale: int) -> None:
     """Reconnect the persistent session and collect this cut's messages until every acknowledged one is there
     (then 2 s more for stragglers) or ``seconds`` pass."""
     lock = threading.Lock()
@@ -356,7 +362,7 @@ def drain(port: int, cut: Cut, seconds: float) -> None:
             with lock:
                 cut.delivered[int(seq)] += 1
 
-    client = connect(port, "powercut-sub", clean=False, seconds=60, on_message=on_message)
+    client = connect(port, "powercut-sub", clean=False, seconds=60 * scale, on_message=on_message)
     end = time.monotonic() + seconds
     complete_at = 0.0
     while time.monotonic() < end:
@@ -390,11 +396,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
     parser.add_argument("--power-cuts", type=int, default=3, help="SIGKILLs of qemu mid-stream (0: the probe only)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the kill points (default: random, printed)")
-    parser.add_argument("--boot-timeout", type=float, default=float(os.environ.get("IMAGE_TEST_TIMEOUT", 600)),
-                        help="hard limit of one qemu run, seconds (default 600)")
+    parser.add_argument("--boot-timeout", type=float, default=float(os.environ.get("IMAGE_TEST_TIMEOUT", 0)),
+                        help="hard limit of one qemu run, seconds (default 600, times 3 for arm64)")
     parser.add_argument("--keep-disk", action="store_true", help="keep the power-cut disk copy")
     args = parser.parse_args()
     arch = arch_config(args.arch, args.machine, args.out)
+    args.boot_timeout = args.boot_timeout or 600.0 * arch.scale
     if arch.raspi and args.power_cuts:
         raise SystemExit("image-test: --machine raspi3b has no network for the power-cut client: --power-cuts 0")
     if not Path(arch.disk).is_file():
@@ -421,6 +428,8 @@ def main() -> int:
     disk = Path(arch.disk)
     work = args.out / f"powercut{tag}.img"
     probe = "systemd.wants=edge-gateway-probe.service edge_gateway.probe=1"
+    if arch.scale != 1:
+        probe += f" edge_gateway.probe_scale={arch.scale}"
     start = time.monotonic()
     vm: Vm | None = None
     try:
@@ -432,17 +441,18 @@ def main() -> int:
         vm = Vm(arch, disk, serial, serial.with_suffix(".trace"),
                 probe + (" edge_gateway.powercut=first" if args.power_cuts else ""), args.boot_timeout, port,
                 snapshot=not args.power_cuts)
-        log(f"boot 1: {' '.join(arch.qemu)} -accel {os.environ.get('IMAGE_TEST_ACCEL', 'tcg')}, probe checks")
+        log(f"boot 1: {' '.join(arch.qemu)} -accel {os.environ.get('IMAGE_TEST_ACCEL', 'tcg')}, probe checks; "
+            f"time limits x{arch.scale} (boot {args.boot_timeout:.0f} s)")
         vm.start()
         vm.wait_for("DONE", args.boot_timeout)
         boot_checks(vm, failures)
         if not args.power_cuts:
-            rc = vm.wait_exit(120)
+            rc = vm.wait_exit(120 * arch.scale)
             if rc != 0 and not arch.raspi:  # raspi3b: qemu has no power-off for the kernel to use; it is killed
                 failures.append(f"qemu exited with {rc} (it should power off by itself)")
         else:
-            vm.wait_for("SERVING", 120)
-            subscribe_offline(port)
+            vm.wait_for("SERVING", 120 * arch.scale)
+            subscribe_offline(port, arch.scale)
             log("powercut-sub subscribed to powercut/# (QoS 1, clean_session=0) and disconnected")
         for n in range(1, args.power_cuts + 1):
             cut = Cut(n)
@@ -470,7 +480,7 @@ def main() -> int:
                 failures.append(f"cut {n}: the probe reported no STORE line")
             if not any(line.startswith("PASS broker-active") for line in vm.probe):
                 failures.append(f"cut {n}: the broker is not active after the reboot")
-            drain(port, cut, 90)
+            drain(port, cut, 90 * arch.scale, arch.scale)
             dups = sum(c - 1 for c in cut.delivered.values())
             extra = len(cut.delivered.keys() - cut.acked)
             log(f"power cut {n}/{args.power_cuts}: rebooted in {cut.boot_s:.0f} s, {cut.store.split(':')[0]}; "

@@ -18,9 +18,13 @@ pass() { say "PASS $*"; }
 fail() { say "FAIL $*"; failed=1; }
 failed=0
 
-# wait_for SECONDS COMMAND...: poll until COMMAND succeeds.
+# edge_gateway.probe_scale=N on the kernel command line multiplies the probe's time limits (image/vm_test.py passes
+# it where the emulation is slower, e.g. 3 for arm64 under TCG): the same checks, more time to get there.
+scale=$(sed -n 's/.*edge_gateway\.probe_scale=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
+scale=${scale:-1}
+# wait_for SECONDS COMMAND...: poll until COMMAND succeeds (within SECONDS times the scale).
 wait_for() {
-    limit=$1; shift
+    limit=$(($1 * scale)); shift
     end=$(( $(cut -d. -f1 /proc/uptime) + limit ))
     until "$@" >/dev/null 2>&1; do
         [ "$(cut -d. -f1 /proc/uptime)" -ge "$end" ] && return 1
@@ -37,10 +41,10 @@ prop() { systemctl show -p "$2" --value "$1"; }
 roundtrip() {  # roundtrip TOPIC: a QoS 1 message from mosquitto_pub reaches mosquitto_sub through the broker
     token="rt-$(cut -d' ' -f1 /proc/uptime)-$$"
     rm -f /run/probe-rt
-    mosquitto_sub -h 127.0.0.1 -p 1884 -q 1 -t "$1" -C 1 -W 60 > /run/probe-rt 2>&1 &
+    mosquitto_sub -h 127.0.0.1 -p 1884 -q 1 -t "$1" -C 1 -W $((60 * scale)) > /run/probe-rt 2>&1 &
     sub=$!
     n=0
-    while kill -0 "$sub" 2>/dev/null && [ "$n" -lt 60 ]; do  # until the subscriber has it (it may subscribe late)
+    while kill -0 "$sub" 2>/dev/null && [ "$n" -lt $((60 * scale)) ]; do  # until the subscriber has it (it may subscribe late)
         mosquitto_pub -h 127.0.0.1 -p 1884 -q 1 -t "$1" -m "$token" >/dev/null 2>&1
         sleep 1; n=$((n + 1))
     done
@@ -76,7 +80,7 @@ serve() {
 }
 powercut=$(sed -n 's/.*edge_gateway\.powercut=\([a-z]*\).*/\1/p' /proc/cmdline)
 
-say "START $(uname -r), up $(cut -d' ' -f1 /proc/uptime) s"
+say "START $(uname -r) $(uname -m), up $(cut -d' ' -f1 /proc/uptime) s, time limits x$scale"
 say "ROOT / is $(findmnt -n -o SOURCE,FSTYPE,OPTIONS /)"  # read-only (README "Read-only root")
 
 # 1. The broker is active only after READY=1 (Type=notify): listeners bound, store open.
@@ -106,7 +110,7 @@ setpriv --reuid=firmware-bridge --regid=firmware-bridge --init-groups \
     > /run/firmware-sim/simulator.log 2>&1 &
 sim=$!
 if wait_for 120 systemctl is-active --quiet "$BRIDGE"; then
-    reading=$(mosquitto_sub -h 127.0.0.1 -p 1884 -t 'sensors/gw-image/#' -C 1 -W 90 -v 2>&1)
+    reading=$(mosquitto_sub -h 127.0.0.1 -p 1884 -t 'sensors/gw-image/#' -C 1 -W $((90 * scale)) -v 2>&1)
     case "$reading" in
         sensors/gw-image/*'"seq"'*)
             pass "bridge-reading $BRIDGE active, simulator on $(readlink /run/firmware-sim/buoy-b01): $(echo "$reading" | head -c 160)" ;;
