@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,77 +38,156 @@ PERIOD = 15.0  # seconds between readings of one device
 
 
 def _iso(t: float, ms: bool = True) -> str:
-    d = dt.datetime.fromtimestamp(t, dt.UTC)
-    return d.strftime("%Y-%m-%dT%H:%M:%S.") + (f"{d.microsecond // 1000:03d}Z" if ms else f"{d.microsecond:06d}Z")
+    """RFC 3339 UTC with milliseconds (``ms``) or microseconds: plain string formatting, no datetime objects."""
+    whole = int(t)
+    frac = t - whole
+    text = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(whole))
+    return text + (f"{min(999, int(frac * 1000)):03d}Z" if ms else f"{min(999_999, int(frac * 1_000_000)):06d}Z")
 
 
-def generate(landing: Path, records: int, seed: int = 8, outages: int = 0, landing_format: int = 2) -> dict[str, int]:
+def _gateway(job: tuple[int, int, int, float, int, tuple[float, float] | None, dict[int, tuple[float, float]],
+                        str]) -> dict[str, int]:
+    """One gateway's landing files (its own random stream, so gateways are written in parallel processes)."""
+    g, seed, per_device, day0, landing_format, gw_window, dev_windows, landing = job
+    rng = random.Random(f"{seed}:{g}")
+    counts = dict.fromkeys(("lines", "readings", "duplicates", "lost", "malformed", "malformed_lines", "clamped"), 0)
+    gw = f"gw-{g:04d}"
+    hours: dict[int, list[str]] = {}
+    for d in range(DEVICES):
+        dev = f"buoy-{g:04d}-{d}"
+        head = f'{{"topic":"fleet/{gw}/{dev}","arrival":"'
+        reboot_at = rng.randrange(per_device // 4, 3 * per_device // 4)
+        windows = [w for w in (gw_window, dev_windows.get(d)) if w]
+        for i in range(per_device):
+            boot, seq = (7, i) if i < reboot_at else (8, i - reboot_at)
+            gt = day0 + 5 + i * PERIOD + rng.random()
+            if rng.random() < 0.005 or any(w[0] <= gt - day0 < w[1] for w in windows):
+                counts["lost"] += 1
+                continue
+            st = gt - 0.2 - rng.random() * 0.3
+            if rng.random() < 0.001:
+                st = st - 86400 * 365  # a board whose clock reset
+                counts["clamped"] += 1
+            sst = 12.0 + 3.0 * ((i % 5760) / 5760.0) + rng.gauss(0, 0.05)
+            payload = (
+                f'{{"v":1,"gateway_id":"{gw}","device":"{dev}","boot":{boot},"seq":{seq},'
+                f'"sensor_time":"{_iso(st)}","gateway_time":"{_iso(gt)}",'
+                f'"values":{{"sea_surface_temperature":{{"value":{sst:.3f},"unit":"degC"}},'
+                f'"battery_voltage":{{"value":{3.9 - i / per_device * 0.4:.3f},"unit":"V"}}}}}}'
+            )
+            if rng.random() < 0.001:
+                payload = payload[: len(payload) // 2]  # truncated: malformed
+                counts["malformed"] += 1
+                counts["malformed_lines"] += 1
+            else:
+                counts["readings"] += 1
+            copies = 2 if rng.random() < 0.02 else 1
+            counts["malformed_lines" if payload[-1] != "}" else "duplicates"] += copies - 1
+            # as pipeline.lander.encode_line writes it: format 2 embeds a JSON object payload as the object (last
+            # key); a truncated one, and every payload in format 1, is a JSON string (no escapes needed but '"')
+            embedded = landing_format == 2 and payload[-1] == "}"
+            body = payload if embedded else json.dumps(payload, ensure_ascii=False)
+            for c in range(copies):
+                arrival = gt + 0.5 + rng.random() + c * rng.uniform(1, 120)
+                line = f'{head}{_iso(arrival, ms=False)}","msg_id":"{gw}:{i}","qos":1,"retain":false,"payload":{body}}}'
+                hours.setdefault(min(23, int((arrival - day0) // 3600)), []).append(line)
+                counts["lines"] += 1
+    for hour, lines in hours.items():
+        rng.shuffle(lines)
+        part = Path(landing) / f"date={DAY.isoformat()}" / f"gateway={gw}"
+        part.mkdir(parents=True, exist_ok=True)
+        (part / f"part-{DAY:%Y%m%d}T{hour:02d}0000Z-bench-{g:04d}.jsonl").write_text("\n".join(lines) + "\n")
+    return counts
+
+
+def generate(landing: Path, records: int, seed: int = 8, outages: int = 0, landing_format: int = 2,
+             gateways: int | None = None, processes: int | None = None) -> dict[str, int]:
     """Write about ``records`` landing lines; returns what was put in (lines, readings, duplicates, ...).
     ``landing_format``: 2 (the lander's: a JSON object payload embedded) or 1 (every payload a JSON string).
     ``outages``: that many gateways lose every reading for 20-120 minutes, and as many devices for 15-90 (for the
-    report's outage timeline; 0 for the throughput figures)."""
-    from pipeline.lander import EmbeddedJSON, encode_line
-
+    report's outage timeline; 0 for the throughput figures). ``gateways`` (default ``GATEWAYS``) x 4 devices share
+    the records; each gateway is written by one of ``processes`` worker processes (default: one per core)."""
+    gateways = gateways or GATEWAYS
     rng = random.Random(seed)
     day0 = dt.datetime(DAY.year, DAY.month, DAY.day, tzinfo=dt.UTC).timestamp()
-    devices = GATEWAYS * DEVICES
-    per_device = max(1, round(records / (0.995 * 1.02) / devices))  # 0.5% lost, 2% sent twice
-    counts = {"lines": 0, "readings": 0, "duplicates": 0, "lost": 0, "malformed": 0, "malformed_lines": 0,
-              "clamped": 0}
+    per_device = max(1, round(records / (0.995 * 1.02) / (gateways * DEVICES)))  # 0.5% lost, 2% sent twice
     span = per_device * PERIOD
-    gw_out = {g: (t := rng.uniform(0, span * 0.8), t + rng.uniform(1200, 7200)) for g in rng.sample(range(GATEWAYS),
-                                                                                            min(outages, GATEWAYS))}
-    dev_out = {(g, d): (t := rng.uniform(0, span * 0.8), t + rng.uniform(900, 5400))
-               for g, d in rng.sample([(g, d) for g in range(GATEWAYS) for d in range(DEVICES)],
-                                      min(outages, GATEWAYS * DEVICES))}
-    for g in range(GATEWAYS):
-        gw = f"gw-{g:04d}"
-        hours: dict[int, list[str]] = {}
-        for d in range(DEVICES):
-            dev = f"buoy-{g:04d}-{d}"
-            topic = f"fleet/{gw}/{dev}"
-            reboot_at = rng.randrange(per_device // 4, 3 * per_device // 4)
-            for i in range(per_device):
-                boot, seq = (7, i) if i < reboot_at else (8, i - reboot_at)
-                gt = day0 + 5 + i * PERIOD + rng.random()
-                silent = [w for w in (gw_out.get(g), dev_out.get((g, d))) if w and w[0] <= gt - day0 < w[1]]
-                if silent or rng.random() < 0.005:
-                    counts["lost"] += 1
-                    continue
-                st = gt - 0.2 - rng.random() * 0.3
-                if rng.random() < 0.001:
-                    st = st - 86400 * 365  # a board whose clock reset
-                    counts["clamped"] += 1
-                sst = 12.0 + 3.0 * ((i % 5760) / 5760.0) + rng.gauss(0, 0.05)
-                payload = (
-                    f'{{"v":1,"gateway_id":"{gw}","device":"{dev}","boot":{boot},"seq":{seq},'
-                    f'"sensor_time":"{_iso(st)}","gateway_time":"{_iso(gt)}",'
-                    f'"values":{{"sea_surface_temperature":{{"value":{sst:.3f},"unit":"degC"}},'
-                    f'"battery_voltage":{{"value":{3.9 - i / per_device * 0.4:.3f},"unit":"V"}}}}}}'
-                )
-                if rng.random() < 0.001:
-                    payload = payload[: len(payload) // 2]  # truncated: malformed
-                    counts["malformed"] += 1
-                    counts["malformed_lines"] += 1
-                else:
-                    counts["readings"] += 1
-                copies = 2 if rng.random() < 0.02 else 1
-                counts["malformed_lines" if payload[-1] != "}" else "duplicates"] += copies - 1
-                for c in range(copies):
-                    arrival = gt + 0.5 + rng.random() + c * rng.uniform(1, 120)
-                    record = {"topic": topic, "arrival": _iso(arrival, ms=False), "msg_id": f"{gw}:{i}", "qos": 1,
-                              "retain": False, "payload": payload}
-                    if landing_format == 2 and payload[-1] == "}":  # as the lander embeds a JSON object payload
-                        record["payload"] = EmbeddedJSON(payload)
-                    line = encode_line(record).decode()[:-1]
-                    hours.setdefault(min(23, int((arrival - day0) // 3600)), []).append(line)
-                    counts["lines"] += 1
-        for hour, lines in hours.items():
-            rng.shuffle(lines)
-            part = landing / f"date={DAY.isoformat()}" / f"gateway={gw}"
-            part.mkdir(parents=True, exist_ok=True)
-            (part / f"part-{DAY:%Y%m%d}T{hour:02d}0000Z-bench-{g:04d}.jsonl").write_text("\n".join(lines) + "\n")
+    gw_out = {g: (t := rng.uniform(0, span * 0.8), t + rng.uniform(1200, 7200)) for g in rng.sample(range(gateways),
+                                                                                            min(outages, gateways))}
+    dev_out: dict[int, dict[int, tuple[float, float]]] = {}
+    for g, d in rng.sample([(g, d) for g in range(gateways) for d in range(DEVICES)], min(outages, gateways * DEVICES)):
+        dev_out.setdefault(g, {})[d] = (t := rng.uniform(0, span * 0.8), t + rng.uniform(900, 5400))
+    jobs = [(g, seed, per_device, day0, landing_format, gw_out.get(g), dev_out.get(g, {}), str(landing))
+            for g in range(gateways)]
+    counts = dict.fromkeys(("lines", "readings", "duplicates", "lost", "malformed", "malformed_lines", "clamped"), 0)
+    with multiprocessing.get_context("fork").Pool(processes or os.cpu_count() or 1) as pool:
+        for part in pool.imap_unordered(_gateway, jobs):
+            for key, value in part.items():
+                counts[key] += value
     return counts
+
+
+class StageMetrics:
+    """Task metrics of the Spark stages each pipeline stage ran, from the session's own UI REST API (bound to
+    127.0.0.1 like the rest of the embedded session): tasks, executor run time, executor CPU time, JVM GC time,
+    input bytes, shuffle writes and spills, summed per pipeline stage, and the costliest Spark stages."""
+
+    def __init__(self, spark: Any) -> None:
+        self.sc = spark.sparkContext
+        self.url = f"{self.sc.uiWebUrl}/api/v1/applications/{self.sc.applicationId}"
+        self.seen: set[int] = set()
+
+    def _get(self, what: str) -> Any:
+        with urllib.request.urlopen(f"{self.url}/{what}", timeout=30) as response:
+            return json.load(response)
+
+    def take(self, threads: dict[str, float] | None = None) -> dict[str, Any]:
+        """The Spark stages completed since the last call, summed (the listener bus is asynchronous: wait until
+        no stage is active)."""
+        for _ in range(50):
+            if not self._get("stages?status=active"):
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        new = [st for st in self._get("stages?status=complete") if st["stageId"] not in self.seen]
+        self.seen.update(st["stageId"] for st in new)
+        keys = {"numTasks": "tasks", "executorRunTime": "run_s", "executorCpuTime": "cpu_s", "jvmGcTime": "gc_s",
+                "inputBytes": "input_mb", "shuffleWriteBytes": "shuffle_write_mb",
+                "memoryBytesSpilled": "spill_memory_mb", "diskBytesSpilled": "spill_disk_mb"}
+        scale = {"tasks": 1, "run_s": 1e3, "cpu_s": 1e9, "gc_s": 1e3, "input_mb": 1e6, "shuffle_write_mb": 1e6,
+                 "spill_memory_mb": 1e6, "spill_disk_mb": 1e6}
+        total = {name: round(sum(st.get(key, 0) for st in new) / scale[name], 1) for key, name in keys.items()}
+        total["spark_stages"] = len(new)
+        if threads:
+            total["jvm_threads_cpu_s"] = {k: round(v, 1) for k, v in threads.items()}
+        top = sorted(new, key=lambda st: -st.get("executorRunTime", 0))[:4]
+        total["top"] = [f"{st['stageId']} {st['name']} ({st['numTasks']} tasks): run "
+                        f"{st['executorRunTime'] / 1e3:.1f}s cpu {st['executorCpuTime'] / 1e9:.1f}s "
+                        f"gc {st['jvmGcTime'] / 1e3:.1f}s" for st in top]
+        return total
+
+
+THREAD_KINDS = (("Executor task", "tasks"), ("C1 Compiler", "jit"), ("C2 Compiler", "jit"), ("GC Thread", "gc"),
+                ("G1 ", "gc"), ("VM Thread", "gc"))
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of a JVM's live threads by kind: Spark's task threads, the JIT compilers, the garbage collector,
+    and the rest (the driver: planning, codegen, py4j; the listener bus...); ``total`` counts exited threads too."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {"tasks": 0.0, "jit": 0.0, "gc": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        kind = next((k for prefix, k in THREAD_KINDS if name.startswith(prefix)), "other")
+        out[kind] += (int(fields[11]) + int(fields[12])) / ticks
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    out["total"] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 def main() -> int:
@@ -114,7 +196,9 @@ def main() -> int:
     parser.add_argument("--workdir")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--gateways", type=int, default=50, help="gateways (4 devices each; default 50)")
+    parser.add_argument("--gateways", type=int,
+                        help="gateways (4 devices each; default 50 per 10^6 records, so a device's ~5,000 readings "
+                             "at 15 s fit in the day)")
     parser.add_argument("--outages", type=int, default=0, help="gateways and devices with an outage (default 0)")
     parser.add_argument("--report", help="also write the fleet report of the result to this HTML file")
     parser.add_argument("--landing-format", type=int, choices=[1, 2], default=2,
@@ -122,19 +206,23 @@ def main() -> int:
     parser.add_argument("--runs", type=int, choices=[1, 2], default=2, help="1: the first run only (no rebuild)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep an existing landing area in --workdir (same --records) instead of generating it")
+    parser.add_argument("--profile", action="store_true",
+                        help="per stage: tasks, executor run/CPU/GC time, spills (Spark UI REST API on 127.0.0.1), "
+                             "and a GC log of the JVM in the work directory")
+    parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting")
     args = parser.parse_args()
 
     from pipeline import jobs
     from pipeline.spark import get_spark
 
-    global GATEWAYS
-    GATEWAYS = args.gateways
+    gateways = args.gateways or max(GATEWAYS, -(-args.records // 20_000))
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fleet-bench-"))
     landing, tables = work / "landing", work / "tables"
     counts_file = work / "landing-counts.json"
     reuse = (args.reuse and counts_file.exists() and landing.is_dir()
-             and json.loads(counts_file.read_text()).get("landing_format") == args.landing_format)
+             and json.loads(counts_file.read_text()).get("landing_format") == args.landing_format
+             and json.loads(counts_file.read_text()).get("gateways", GATEWAYS) == gateways)
     if not reuse:
         shutil.rmtree(landing, ignore_errors=True)
     shutil.rmtree(tables, ignore_errors=True)
@@ -143,15 +231,25 @@ def main() -> int:
         if reuse:
             counts = json.loads(counts_file.read_text())
         else:
-            counts = generate(landing, args.records, outages=args.outages, landing_format=args.landing_format)
+            counts = generate(landing, args.records, outages=args.outages, landing_format=args.landing_format,
+                              gateways=gateways)
             counts["landing_format"] = args.landing_format
+            counts["gateways"] = gateways
             counts_file.write_text(json.dumps(counts))
         gen_s = time.monotonic() - t0
         size = sum(p.stat().st_size for p in landing.rglob("*.jsonl"))
         files = sum(1 for _ in landing.rglob("*.jsonl"))
         print(f"landed {counts['lines']:,} lines ({size / 1e6:.0f} MB, {files} files) in {gen_s:.1f}s: {counts}")
         t0 = time.monotonic()
-        spark = get_spark("fleet-pipeline bench")
+        conf_args = dict(pair.split("=", 1) for pair in args.conf)
+        if args.profile:
+            conf_args.setdefault("spark.ui.enabled", "true")
+            if "PYSPARK_SUBMIT_ARGS" not in os.environ:
+                memory = conf_args.get("spark.driver.memory", "2g")
+                os.environ["PYSPARK_SUBMIT_ARGS"] = (f"--driver-memory {memory} --driver-java-options "
+                                                     f"-Xlog:gc:file={work / 'gc.log'} pyspark-shell")
+        spark = get_spark("fleet-pipeline bench", conf_args)
+        metrics = StageMetrics(spark) if args.profile else None
         start_s = time.monotonic() - t0
         conf = spark.sparkContext.getConf()
         print(f"spark {spark.version} {conf.get('spark.master')} ({os.cpu_count()} cores), shuffle partitions "
@@ -170,15 +268,23 @@ def main() -> int:
             stages: dict[str, float] = {}
             stats: dict[str, int] = {}
             cpu: dict[str, float] = {}
+            profile: dict[str, Any] = {}
+            threads_mark = thread_cpu(jvm)
             t_all = mark = time.monotonic()
             cpu_all = cpu_mark = jvm_cpu()
 
-            def stage_done(stage: str, stages: dict[str, float] = stages, cpu: dict[str, float] = cpu) -> None:
+            def stage_done(stage: str, stages: dict[str, float] = stages, cpu: dict[str, float] = cpu,
+                           profile: dict[str, Any] = profile, threads_mark: dict[str, float] = threads_mark) -> None:
                 nonlocal mark, cpu_mark
                 now, now_cpu = time.monotonic(), jvm_cpu()
                 stages[stage], cpu[stage] = round(now - mark, 2), round(now_cpu - cpu_mark, 2)
                 mark, cpu_mark = now, now_cpu
                 print(f"  {stage}: {stages[stage]:.1f}s, JVM CPU {cpu[stage]:.1f}s", flush=True)
+                if metrics is not None:
+                    profile[stage] = metrics.take({k: v - threads_mark[k] for k, v in thread_cpu(jvm).items()})
+                    print(f"    {profile[stage]}", flush=True)
+                    # the REST calls are not the stage's cost
+                    mark, cpu_mark, _ = time.monotonic(), jvm_cpu(), threads_mark.update(thread_cpu(jvm))
 
             if hasattr(jobs, "run_all"):
                 stats.update(jobs.run_all(spark, cfg, DAY, DAY, on_stage=stage_done))
@@ -192,7 +298,8 @@ def main() -> int:
             cpu_s = jvm_cpu() - cpu_all
             rate = counts["lines"] / elapsed
             runs.append({"run": label, "seconds": round(elapsed, 2), "records_per_s": round(rate), "stages": stages,
-                         "jvm_cpu_s": round(cpu_s, 1), "stages_jvm_cpu_s": cpu, "tables": stats})
+                         "jvm_cpu_s": round(cpu_s, 1), "stages_jvm_cpu_s": cpu, "tables": stats,
+                         **({"profile": profile} if profile else {})})
             load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
             runs[-1]["loadavg"] = load  # 1, 5, 15 min: above 2 the 2-core machine was shared with other work
             print(f"{label}: {counts['lines']:,} records in {elapsed:.1f}s = {rate:,.0f} records/s  stages {stages}"
