@@ -462,10 +462,10 @@ def run_clean(spark: SparkSession, cfg: JobConfig, first: dt.date, last: dt.date
     """landing (arrival dates first-1 .. last+lateness) -> ``clean`` and ``quarantine`` for first..last."""
     landing_days = _days(first - dt.timedelta(days=1), last + dt.timedelta(days=max(0, int(-(-cfg.lateness // 86400)))))
     parsed = parse_landing(tbl.read_landing(spark, cfg.landing, landing_days))
-    # parsed once, written twice (clean, quarantine): cache it without the raw text the valid rows no longer need
+    # parsed once, written twice (clean, quarantine): cache it without what only quarantined rows need (the raw
+    # text, the file name: building the cache encodes every value, and source_file was a fifth of that)
     bad = F.size("reasons") > 0
-    parsed = (parsed.withColumn("payload", F.when(bad, F.col("payload")))
-              .withColumn("value", F.when(bad, F.col("value"))).persist())
+    parsed = parsed.withColumns({c: F.when(bad, F.col(c)) for c in ("payload", "value", "source_file")}).persist()
     try:
         valid, quarantine = clean(parsed, cfg.max_clock_skew)
         days = _days(first, last)

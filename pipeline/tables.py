@@ -10,7 +10,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
-from pipeline.schema import TABLES
+from pipeline.schema import NO_DICTIONARY, TABLES
 
 
 def _fs(spark: SparkSession, path: str) -> tuple[Any, Any]:
@@ -92,7 +92,10 @@ def replace_partitions(spark: SparkSession, df: DataFrame, tables: str, name: st
     fs.mkdirs(hroot)
     staging_name = f"_staging-{uuid.uuid4().hex}"
     staging = _child(spark, hroot, staging_name)
-    df.select(*TABLES[name].fieldNames()).write.mode("overwrite").partitionBy("date").parquet(staging.toString())
+    writer = df.select(*TABLES[name].fieldNames()).write.mode("overwrite").partitionBy("date")
+    for column in NO_DICTIONARY.get(name, []):
+        writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
+    writer.parquet(staging.toString())
     try:
         for d in dates:
             part = f"date={d.isoformat()}"
