@@ -26,6 +26,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from firmware_bridge.config import MqttConfig
+from gateway.aiomqtt_client import Client as MqttClient
 
 log = logging.getLogger("firmware_bridge.mqtt")
 
@@ -96,7 +97,7 @@ class OutBuffer:
         self.sent = 0
 
 
-class _Client(aiomqtt.Client):
+class _Client(MqttClient):
     """aiomqtt's client, except that a PUBACK with a failure reason code (e.g. 0x97 Quota exceeded when the
     broker's store is full) is not taken as delivery: the connection is dropped, the message stays in the buffer
     and is published again after the reconnect."""

@@ -34,6 +34,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties as PahoProperties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from gateway.aiomqtt_client import Client as MqttClient
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.topics import topic_matches
 from gateway.upstream.config import UpstreamConfig, fill
@@ -326,7 +327,7 @@ class UpstreamLink:
         tls = None
         if cfg.tls:
             tls = aiomqtt.TLSParameters(ca_certs=cfg.ca_file, certfile=cfg.cert_file, keyfile=cfg.key_file)
-        return aiomqtt.Client(
+        return MqttClient(
             cfg.host,
             cfg.port,
             username=cfg.username,
