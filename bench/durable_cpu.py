@@ -163,7 +163,7 @@ def drain(broker: Broker, store: LmdbStore, loop: asyncio.AbstractEventLoop, lim
     process = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system) - client_cpu
     assert store.env is not None
     with store.env.begin() as txn:
-        rows = txn.stat(store.dbs[4])["entries"] + txn.stat(store.dbs[1])["entries"]
+        rows = txn.stat(store.tables.queue)["entries"] + txn.stat(store.tables.messages)["entries"]
     us = 1e6 / max(1, got)
     lines = [f"drain: {got} of {queued} queued messages delivered, {rows} rows left, "
              f"{store.commits - commits0} commits",

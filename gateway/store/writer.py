@@ -168,12 +168,6 @@ class LmdbWriter:
         self._fail_log_at = 0.0  # monotonic time before which failed commits are counted, not logged
         self._fail_log_suppressed = 0
 
-    @property
-    def dbs(self) -> tuple[Any, ...]:
-        """The table handles in ``DB_NAMES`` order, the positional form ``bench/durable_cpu.py`` reads (``dbs[4]``:
-        queue, ``dbs[1]``: messages). Code of the store names its table instead (``tables.queue``)."""
-        return tuple(self.tables)
-
     def _open_env(self) -> None:
         """Open the environment under ``path`` (map: the data file's size, at least ``_INITIAL_MAP`` bytes within
         ``max_size``; LMDB's default ``sync``/``metasync``) and its tables."""
