@@ -331,6 +331,45 @@ def test_seed003_subscriber_side_qos2_flow_publish_pubrec_pubrel_pubcomp() -> No
     assert not broker.sessions["sub"].inflight
 
 
+@pytest.mark.parametrize("version", [4, 5])
+def test_seed003_qos2_flows_acknowledged_in_runs_of_one_read_each(version: int) -> None:
+    """Runs of PUBRELs, PUBRECs and PUBCOMPs arriving in one read (the broker reads them without a packet object
+    each): every message delivered once, every flow completed in order, the window refilled FIFO (seed 000); an
+    unknown identifier inside a run still gets its PUBCOMP / PUBREL (5.0: 0x92), and bytes after a run are handled
+    after it."""
+    broker, sub, pub = pair(ZoneLimits(max_inflight=4, max_mqueue_len=0), sub_qos=2, version=version)
+    pids = list(range(1, 11))
+    pub.send_bytes(b"".join(Publish("t", b"%d" % pid, qos=2, packet_id=pid).encode(version) for pid in pids))
+    assert pub.read() == [PubRec(pid) for pid in pids]
+    unknown = 0x92 if version == 5 else 0
+    pub.send_bytes(b"".join(PubRel(pid).encode(version) for pid in [*pids[:5], 77, *pids[5:]])
+                   + PingReq().encode(version))
+    assert pub.read() == [*(PubComp(pid) for pid in pids[:5]), PubComp(77, unknown),
+                          *(PubComp(pid) for pid in pids[5:]), PingResp()]
+    got: list[bytes] = []
+    for _ in range(3):
+        window = sub.publishes()
+        assert 0 < len(window) <= 4
+        got += [p.payload for p in window]
+        sub.send_bytes(b"".join(PubRec(p.packet_id).encode(version) for p in window) + PubRec(999).encode(version))
+        assert sub.read() == [*(PubRel(p.packet_id) for p in window), PubRel(999, unknown)]
+        sub.send_bytes(b"".join(PubComp(p.packet_id).encode(version) for p in window))
+    assert got == [b"%d" % pid for pid in pids]  # once each, in order
+    assert sub.read() == [] and not broker.sessions["sub"].inflight
+    assert broker.stats.received[6] == 11 and broker.stats.received[5] == 13 and broker.stats.received[7] == 10
+
+
+def test_mqtt_2_2_1_3_a_pubrel_with_packet_identifier_0_in_a_run_closes_the_connection() -> None:
+    _broker, _sub, pub = pair(sub_qos=2, version=5)
+    pub.send(Publish("t", b"x", qos=2, packet_id=1))
+    pub.read()
+    pub.send_bytes(PubRel(1).encode(5) + bytes((0x62, 2, 0, 0)))
+    packets = pub.read()
+    assert packets[0] == PubComp(1)
+    assert isinstance(packets[1], Disconnect) and packets[1].reason_code == RC.MALFORMED_PACKET
+    assert pub.conn.state == CLOSED
+
+
 def test_seed003_await_rel_timeout_forgets_the_identifier() -> None:
     broker, _sub, pub = pair(ZoneLimits(await_rel_timeout=300.0), sub_qos=2)
     pub.send(Publish("t", b"x", qos=2, packet_id=9), 0.0)

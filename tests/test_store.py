@@ -568,25 +568,27 @@ def test_mqtt_4_1_0_2_session_and_message_expiry_count_while_stopped(tmp_path: P
     """5.0 MQTT-4.1.0-2 (Session State discarded once the Session Expiry Interval passed), MQTT-3.2.2-3 (Session
     Present 0 then) and MQTT-3.3.2-5 (an expired queued message is not delivered) when the time passes while the
     broker is stopped; an expired retained message is gone too; ``store stats`` shows the session count drop."""
+    # Expiry intervals of 6-7 s: the broker's stop and `store stats` (a new process) must come before them, also on a
+    # loaded machine (2 s was too short for a run beside other test files).
     broker = BrokerProcess(CONFIG, workdir=str(tmp_path)).start()
     try:
         port = broker.port
-        short, _ = clients.connect(port, "exp-short", clean=True, expiry=3)
+        short, _ = clients.connect(port, "exp-short", clean=True, expiry=7)
         subscribe(short, 1, [Subscription("exp/#", 1)])
         keep, _ = clients.connect(port, "exp-keep", clean=True)
         subscribe(keep, 1, [Subscription("mexp/#", 1)])
         disconnect(keep)
         disconnect(short)
-        gone_at = time.time() + 3.0
+        gone_at = time.time() + 7.0
         pub, _ = clients.connect(port, "exp-pub", clean=True, expiry=None)
         publish(pub, "exp/a", b"for-short", qos=1)
-        first_expiry = time.time() + 2.0
-        publish(pub, "mexp/short", b"expires", qos=1, props={P.MESSAGE_EXPIRY_INTERVAL: 2})
+        first_expiry = time.time() + 6.0
+        publish(pub, "mexp/short", b"expires", qos=1, props={P.MESSAGE_EXPIRY_INTERVAL: 6})
         publish(pub, "mexp/long", b"stays", qos=1)
-        publish(pub, "rexp/short", b"r-expires", qos=1, retain=True, props={P.MESSAGE_EXPIRY_INTERVAL: 2},
+        publish(pub, "rexp/short", b"r-expires", qos=1, retain=True, props={P.MESSAGE_EXPIRY_INTERVAL: 6},
                 expect=0x10)
         publish(pub, "rexp/long", b"r-stays", qos=1, retain=True, expect=0x10)
-        msg_gone_at = time.time() + 2.0
+        msg_gone_at = time.time() + 6.0
     finally:
         code = broker.stop()
     assert code == 0, broker.log()

@@ -47,6 +47,13 @@ log = logging.getLogger("gateway.broker")
 
 _NO_ACKS: list[int] = []
 
+#: Runs of plain QoS 2 acknowledgements by first byte (PUBREC, PUBREL, PUBCOMP): the handler of a whole run.
+_ACK_RUNS: dict[int, Callable[[BrokerState, Connection, list[int], float], None]] = {
+    0x50: inflight.on_pubrecs,
+    0x62: qos2.on_pubrels,
+    0x70: inflight.on_pubcomps,
+}
+
 
 class Broker(BrokerState):
     """An MQTT 3.1.1 + 5.0 broker as a state machine: bytes in, packets out, no I/O.
@@ -122,7 +129,17 @@ class Broker(BrokerState):
             if waiting is None:
                 return
             data = waiting
-        if data and data[0] == 0x40 and conn.state == CONNECTED:
+        first = data[0] if data else 0
+        if first in _ACK_RUNS and conn.state == CONNECTED:
+            # A run of plain PUBRECs, PUBRELs or PUBCOMPs (QoS 2 flows), read without a packet object each.
+            pids, used = conn.reader.leading_acks(data, first)
+            if pids:
+                self.stats.received[first >> 4] += len(pids)
+                _ACK_RUNS[first](self, conn, pids, now)
+                if used == len(data) or conn.state == CLOSED:
+                    return
+                data = data[used:]
+        elif first == 0x40 and conn.state == CONNECTED:
             pids, used = conn.reader.leading_pubacks(data)
             if pids:
                 self.stats.received[4] += len(pids)

@@ -13,7 +13,7 @@ import logging
 from collections import deque
 
 from gateway.broker.message import AWAIT_COMP, Delivery
-from gateway.broker.output import send, write_publish
+from gateway.broker.output import PUBREL_BYTE, send, send_ack, write_publish
 from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.session import CONNECTED, Connection, Session
 from gateway.broker.state import BrokerState
@@ -155,7 +155,7 @@ def resend(core: BrokerState, session: Session, conn: Connection, now: float, ol
 def _resend_one(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
     delivery.sent_at = now
     if delivery.state == AWAIT_COMP:
-        send(core, conn, PubRel(delivery.packet_id))
+        send_ack(core, conn, PUBREL_BYTE, delivery.packet_id)
     elif not write_publish(
         core, conn, delivery.message, delivery.qos, delivery.retain, delivery.packet_id, True, delivery.sub_ids, now
     ):
@@ -214,15 +214,45 @@ def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float)
     pump(core, session, now)
 
 
-def on_pubrec(core: BrokerState, conn: Connection, p: PubRec, now: float) -> None:
+def on_pubcomps(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
+    """A run of plain PUBCOMPs read in one go (``PacketReader.leading_acks``): each ends its QoS 2 delivery as
+    :func:`on_completion` does, then the window is refilled once (FIFO, seed 000)."""
     conn.last_ack_at = now
     session = conn.session
     assert session is not None
-    delivery = session.inflight.get(p.packet_id)
+    inflight = session.inflight
+    for pid in pids:
+        delivery = inflight.get(pid)
+        if delivery is None or delivery.state != AWAIT_COMP:
+            log.debug("%s: PUBCOMP for unknown Packet Identifier %d", conn.client_id, pid)
+            continue
+        finish(core, session, delivery)
+    pump(core, session, now)
+
+
+def on_pubrec(core: BrokerState, conn: Connection, p: PubRec, now: float) -> None:
+    pubrec(core, conn, p.packet_id, p.reason_code, now)
+
+
+def on_pubrecs(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
+    """A run of plain PUBRECs (Reason Code 0) read in one go (``PacketReader.leading_acks``): each as
+    :func:`on_pubrec`, in order."""
+    for pid in pids:
+        pubrec(core, conn, pid, 0, now)
+
+
+def pubrec(core: BrokerState, conn: Connection, pid: int, reason: int, now: float) -> None:
+    """PUBREC ``pid`` with ``reason`` for a QoS 2 delivery: PUBREL (once the PUBREC is durable, for a persistent
+    session), or the end of the flow when the receiver refused (``reason`` >= 0x80); an unknown identifier gets
+    PUBREL 0x92 (5.0) (MQTT 5.0 §4.3.3)."""
+    conn.last_ack_at = now
+    session = conn.session
+    assert session is not None
+    delivery = session.inflight.get(pid)
     if delivery is None or delivery.qos != 2:
-        send(core, conn, PubRel(p.packet_id, unknown_packet_id(conn.version)))
+        send(core, conn, PubRel(pid, unknown_packet_id(conn.version)))
         return
-    if p.reason_code >= 0x80:
+    if reason >= 0x80:
         # The receiver refused the message: the flow ends here (MQTT 5.0 §4.3.3).
         finish(core, session, delivery)
         pump(core, session, now)
@@ -233,7 +263,6 @@ def on_pubrec(core: BrokerState, conn: Connection, p: PubRec, now: float) -> Non
             # PUBREC received must be durable before PUBREL goes out: after a crash the broker then
             # re-sends PUBREL, never the PUBLISH (exactly once, MQTT 5.0 §4.3.3).
             core.store.delivery_saved(session.client_id, delivery)
-            pid = p.packet_id
-            core.store.when_durable(lambda: send(core, conn, PubRel(pid)) if conn.state == CONNECTED else None)
+            core.store.when_durable(lambda: send_ack(core, conn, PUBREL_BYTE, pid) if conn.state == CONNECTED else None)
             return
-    send(core, conn, PubRel(p.packet_id))
+    send_ack(core, conn, PUBREL_BYTE, pid)

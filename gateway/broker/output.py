@@ -33,6 +33,23 @@ def send(core: BrokerState, conn: Connection, packet: Any) -> None:
     core.dirty.add(conn)
 
 
+#: The first byte of each acknowledgement of a PUBLISH flow (MQTT 5.0 §3.4-3.7; PUBREL's flags are 0010).
+PUBACK_BYTE, PUBREC_BYTE, PUBREL_BYTE, PUBCOMP_BYTE = 0x40, 0x50, 0x62, 0x70
+
+
+def send_ack(core: BrokerState, conn: Connection, first: int, pid: int) -> None:
+    """Queue a plain PUBACK, PUBREC, PUBREL or PUBCOMP (``first``: its first byte, ``*_BYTE``) for Packet Identifier
+    ``pid``: 4 bytes, Reason Code 0 left out as MQTT 5.0 §3.4.2.1 allows (3.1.1 has none), no packet object.
+    Dropped (counted) if the client's Maximum Packet Size is below 4 bytes [MQTT-3.1.2-25]."""
+    limit = conn.max_packet_size
+    if limit is not None and limit < 4:
+        core.stats.dropped["packet_too_large"] += 1
+        return
+    conn.out.append(bytes((first, 2, pid >> 8, pid & 0xFF)))
+    core.stats.sent[first >> 4] += 1
+    core.dirty.add(conn)
+
+
 def send_raw(core: BrokerState, conn: Connection, data: bytes) -> None:
     """Queue bytes already encoded (a CONNACK before the Protocol Level is known)."""
     conn.out.append(data)

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.broker.message import Message
-from gateway.broker.output import send
+from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
 from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.router import publish
 from gateway.broker.session import CONNECTED, Connection, Session
 from gateway.broker.state import BrokerState
-from gateway.mqtt.packets import PubComp, PubRec, PubRel
+from gateway.mqtt.packets import PubComp, PubRel
 
 
 def received(
@@ -44,27 +44,41 @@ def duplicate(core: BrokerState, conn: Connection, pid: int) -> None:
 
 def pubrec(core: BrokerState, conn: Connection, pid: int) -> None:
     if conn.state == CONNECTED:
-        send(core, conn, PubRec(pid))
+        send_ack(core, conn, PUBREC_BYTE, pid)
 
 
 def on_pubrel(core: BrokerState, conn: Connection, p: PubRel, now: float) -> None:
+    pubrel(core, conn, p.packet_id, now)
+
+
+def on_pubrels(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
+    """A run of plain PUBRELs read in one go (``PacketReader.leading_acks``): each as :func:`on_pubrel`, in order."""
+    for pid in pids:
+        pubrel(core, conn, pid, now)
+        if conn.state != CONNECTED:
+            return
+
+
+def pubrel(core: BrokerState, conn: Connection, pid: int, now: float) -> None:
+    """PUBREL ``pid``: route the message held under it onward, forget the identifier, and PUBCOMP once what that
+    recorded is durable (MQTT 5.0 §4.3.3)."""
     session = conn.session
     assert session is not None
-    entry = session.awaiting_rel.pop(p.packet_id, None)
-    reason = 0
+    entry = session.awaiting_rel.pop(pid, None)
     if entry is not None:
         if session.persistent:
-            core.store.inbound_deleted(session.client_id, p.packet_id)
+            core.store.inbound_deleted(session.client_id, pid)
         if entry[0].expired(now):
             # Expired before onward delivery started: no copy for anyone [MQTT-3.3.2-5]; the flow still
             # completes with PUBCOMP 0x00 [MQTT-4.3.3-13].
             core.stats.dropped["expired"] += 1
         else:
             publish(core, entry[0], now)
-    else:
-        # PUBCOMP also for an unknown identifier (seed 003), 5.0 with 0x92 (MQTT 5.0 §3.7.2.1).
-        reason = unknown_packet_id(conn.version)
-    core.store.when_durable(lambda: send(core, conn, PubComp(p.packet_id, reason)) if conn.state == CONNECTED else None)
+        core.store.when_durable(lambda: send_ack(core, conn, PUBCOMP_BYTE, pid) if conn.state == CONNECTED else None)
+        return
+    # PUBCOMP also for an unknown identifier (seed 003), 5.0 with 0x92 (MQTT 5.0 §3.7.2.1).
+    reason = unknown_packet_id(conn.version)
+    core.store.when_durable(lambda: send(core, conn, PubComp(pid, reason)) if conn.state == CONNECTED else None)
 
 
 def expire_awaiting_rel(core: BrokerState, session: Session, now: float) -> None:

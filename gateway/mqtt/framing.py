@@ -38,18 +38,24 @@ class PacketReader:
         return len(self._buf)
 
     def leading_pubacks(self, data: bytes) -> tuple[list[int], int]:
-        """The Packet Identifiers of the run of plain PUBACKs (4 bytes: 0x40, Remaining Length 2, a non-zero
-        Packet Identifier; MQTT 5.0 §3.4.2.1: Reason Code 0 left out) that starts ``data``, and how many bytes
-        that run takes. A subscriber's acknowledgements arrive as such runs; this reads them without making a
-        packet object each. Returns ``([], 0)`` while a partial packet is buffered (the bytes belong to it)
-        and stops before anything else, including a PUBACK with Packet Identifier 0, which :meth:`feed`
-        then rejects [MQTT-2.2.1-3]."""
+        """The Packet Identifiers of the run of plain PUBACKs that starts ``data`` and how many bytes it takes:
+        :meth:`leading_acks` for PUBACK (0x40)."""
+        return self.leading_acks(data, 0x40)
+
+    def leading_acks(self, data: bytes, first: int) -> tuple[list[int], int]:
+        """The Packet Identifiers of the run of plain acknowledgements of one kind that starts ``data`` (4 bytes
+        each: ``first``, the first byte of PUBACK 0x40, PUBREC 0x50, PUBREL 0x62 or PUBCOMP 0x70, then Remaining
+        Length 2 and a non-zero Packet Identifier; MQTT 5.0 §3.4.2.1: Reason Code 0 left out), and how many bytes
+        that run takes. A client's acknowledgements arrive as such runs; this reads them without making a packet
+        object each. Returns ``([], 0)`` while a partial packet is buffered (the bytes belong to it) and stops
+        before anything else, including an acknowledgement with Packet Identifier 0, which :meth:`feed` then
+        rejects [MQTT-2.2.1-3]."""
         if self._buf:
             return [], 0
         pids: list[int] = []
         pos = 0
         end = len(data) - 3
-        while pos < end and data[pos] == 0x40 and data[pos + 1] == 2:
+        while pos < end and data[pos] == first and data[pos + 1] == 2:
             pid = (data[pos + 2] << 8) | data[pos + 3]
             if not pid:
                 break
