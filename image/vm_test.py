@@ -24,7 +24,9 @@ cut of a board whose storage honours flushes. It does not model storage that los
 flushed (README "Power cuts").
 
 Each qemu run has a hard timeout (``timeout --signal=KILL``) beside this script's own deadlines; qemu is killed by
-its PID (``-pidfile``). Exit status 0 when every check passed.
+its PID (``-pidfile``). For arm64 (``virt`` or ``raspi3b``) every time limit is multiplied by ``ARM64_SCALE`` (3;
+``IMAGE_TEST_SCALE=``), the probe's too (``edge_gateway.probe_scale=`` on the kernel command line): the same checks
+with more time for a slower emulation. Exit status 0 when every check passed.
 
 Usage: vm_test.py --arch amd64 [--power-cuts 3] [--seed N] [--out build/appliance]
 """
