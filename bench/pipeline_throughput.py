@@ -213,7 +213,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from pipeline import jobs
-    from pipeline.spark import get_spark
+    from pipeline.spark import get_spark, local_submit_args
 
     gateways = args.gateways or max(GATEWAYS, -(-args.records // 20_000))
 
@@ -245,9 +245,7 @@ def main() -> int:
         if args.profile:
             conf_args.setdefault("spark.ui.enabled", "true")
             if "PYSPARK_SUBMIT_ARGS" not in os.environ:
-                memory = conf_args.get("spark.driver.memory", "2g")
-                os.environ["PYSPARK_SUBMIT_ARGS"] = (f"--driver-memory {memory} --driver-java-options "
-                                                     f"-Xlog:gc:file={work / 'gc.log'} pyspark-shell")
+                os.environ["PYSPARK_SUBMIT_ARGS"] = local_submit_args(conf_args, f"-Xlog:gc:file={work / 'gc.log'}")
         spark = get_spark("fleet-pipeline bench", conf_args)
         metrics = StageMetrics(spark) if args.profile else None
         start_s = time.monotonic() - t0

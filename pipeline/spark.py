@@ -4,6 +4,7 @@ or ``PYSPARK_SUBMIT_ARGS``) already set."""
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,20 @@ FORCED: dict[str, str] = {
 }
 DEFAULT_MASTER = "local[*]"
 LOCAL_DRIVER_MEMORY = "2g"
+# The embedded JVM runs every task itself: the throughput collector, not G1 (whose concurrent marking and refinement
+# threads and write barriers cost ~15% of a batch run's CPU here; bench/pipeline_throughput.py --profile, issue 19).
+LOCAL_DRIVER_JAVA_OPTIONS = "-XX:+UseParallelGC"
+
+
+def local_submit_args(conf: Mapping[str, str] | None = None, java_options: str = "") -> str:
+    """``PYSPARK_SUBMIT_ARGS`` for the JVM that pyspark starts itself: what spark-submit would be given (the
+    driver's heap and JVM options are fixed when it starts). ``java_options`` are added to the defaults, which
+    ``spark.driver.extraJavaOptions`` in ``conf`` replaces."""
+    conf = conf or {}
+    memory = conf.get("spark.driver.memory", LOCAL_DRIVER_MEMORY)
+    options = " ".join(filter(None, [conf.get("spark.driver.extraJavaOptions", LOCAL_DRIVER_JAVA_OPTIONS),
+                                     java_options]))
+    return f"--driver-memory {memory} --driver-java-options {shlex.quote(options)} pyspark-shell"
 
 
 def effective_settings(existing: Mapping[str, str], overrides: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -62,8 +77,7 @@ def get_spark(app_name: str = "fleet-pipeline", conf: Mapping[str, str] | None =
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             # the driver's heap is fixed when the JVM starts: pass it the way spark-submit would
             if "PYSPARK_SUBMIT_ARGS" not in os.environ:
-                memory = (conf or {}).get("spark.driver.memory", LOCAL_DRIVER_MEMORY)
-                os.environ["PYSPARK_SUBMIT_ARGS"] = f"--driver-memory {memory} pyspark-shell"
+                os.environ["PYSPARK_SUBMIT_ARGS"] = local_submit_args(conf)
     # Starts (or, under spark-submit, connects to) the JVM, so that SparkConf() sees the launcher's settings.
     SparkContext._ensure_initialized()
     spark_conf = SparkConf()
