@@ -1,11 +1,11 @@
 """Fleet pipeline throughput: landed records per second through every batch job on the embedded ``local[*]``.
 
 Lands N records (default 10^6) as the lander would (JSON lines by arrival date and gateway, one file per gateway
-and hour): 50 gateways x 4 devices, one reading every 15 s for a day, one reboot per device, and the faults the
-pipeline exists for: ~2% duplicates (QoS 1 redelivery), ~0.5% lost readings, ~0.1% sensor clocks far off, ~0.1%
-malformed payloads, arrivals shuffled within each file. Then times ``fleet-pipeline run all`` for that day
-(clean, dedup, windows, completeness, latency; Parquet out) twice: the first run includes the JVM's warm-up, the
-second is an idempotent rebuild of the same partitions.
+and hour): 50 gateways per 10^6 records x 4 devices, one reading every 15 s for a day, one reboot per device, and
+the faults the pipeline exists for: ~2% duplicates (QoS 1 redelivery), ~0.5% lost readings, ~0.1% sensor clocks
+far off, ~0.1% malformed payloads, arrivals shuffled within each file. Then times ``fleet-pipeline run all`` for
+that day (clean, dedup, windows, completeness, latency; Parquet out) twice: the first run includes the JVM's
+warm-up, the second is an idempotent rebuild of the same partitions.
 
     .venv/bin/python bench/pipeline_throughput.py [--records 1000000] [--workdir DIR] [--keep]
 
