@@ -9,7 +9,7 @@ from functools import partial
 
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
-from gateway.broker.output import send
+from gateway.broker.output import PUBACK_BYTE, send, send_ack
 from gateway.broker.qos2 import duplicate, received
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
@@ -238,13 +238,11 @@ def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: st
 
 def _puback(core: BrokerState, conn: Connection, pid: int, reason: int) -> None:
     """PUBACK a QoS 1 PUBLISH once its work is durable (DESIGN.md §4); the common one (reason 0, MQTT 5.0
-    §3.4.2.1: then the Reason Code may be left out) is built here, without a packet object."""
+    §3.4.2.1: then the Reason Code may be left out) as its 4 bytes (:func:`~gateway.broker.output.send_ack`)."""
     conn.inbound_pending -= 1
     if conn.state != CONNECTED:
         return
-    if reason or (conn.max_packet_size is not None and conn.max_packet_size < 4):
+    if reason:
         send(core, conn, PubAck(pid, reason))
-        return
-    conn.out.append(bytes((0x40, 2, pid >> 8, pid & 0xFF)))
-    core.stats.sent[4] += 1
-    core.dirty.add(conn)
+    else:
+        send_ack(core, conn, PUBACK_BYTE, pid)
