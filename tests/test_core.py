@@ -545,6 +545,69 @@ def test_mqtt_3_1_2_22_keep_alive_timeout_is_disconnect_0x8d_in_5_0() -> None:
     assert c.conn.state == CLOSED
 
 
+def test_mqtt_3_1_2_24_a_tick_checks_only_the_connections_whose_deadline_is_due(monkeypatch: Any) -> None:
+    """The Deadline Index (gateway/broker/deadlines.py): a tick looks at the connections with a deadline due, not
+    at every connection, and a packet received moves a Keep Alive deadline later."""
+    from gateway.broker import timers
+
+    checked: list[Any] = []
+    real_check = timers.check
+    monkeypatch.setattr(timers, "check", lambda core, conn, now: (checked.append(conn), real_check(core, conn, now)))
+    broker = make_broker()
+    idle = []
+    for i in range(1000):
+        c = Client(broker, 4)
+        c.connect(f"idle{i}", 0.0, keep_alive=60)
+        idle.append(c)
+    short = Client(broker, 4)
+    short.connect("short", 0.0, keep_alive=2)
+    never = Client(broker, 4)
+    never.connect("never", 0.0, keep_alive=0)  # no Keep Alive: no deadline at all
+    assert len(broker.deadlines) == 1001
+    for now in (1.0, 2.0, 2.9):
+        broker.tick(now)
+    assert checked == [] and short.conn.state == CONNECTED  # its deadline is 1.5 x 2 s = 3 s
+    broker.tick(3.0)
+    assert checked == [short.conn] and short.conn.state == CLOSED
+    idle[0].send(PingReq(), 50.0)
+    checked.clear()
+    broker.tick(90.0)  # 1.5 x 60 s: every idle connection but the one that sent a packet at 50 s
+    assert len(checked) == 1000 and idle[0].conn.state == CONNECTED
+    assert sum(c.conn.state == CLOSED for c in idle) == 999 and never.conn.state == CONNECTED
+    checked.clear()
+    broker.tick(139.9)
+    assert checked == [] and idle[0].conn.state == CONNECTED
+    broker.tick(140.0)
+    assert checked == [idle[0].conn] and idle[0].conn.state == CLOSED
+    assert len(broker.deadlines) == 0  # closed connections leave the index
+
+
+def test_send_timeout_is_due_before_a_later_keep_alive_deadline() -> None:
+    """A socket paused at 5 s with ``send_timeout`` 15 s is closed at 20 s, although its Keep Alive deadline
+    (90 s) was filed first (the Deadline Index files it earlier when the socket pauses)."""
+    broker = make_broker()
+    c = Client(broker, 4, ZoneLimits(send_timeout=15.0))
+    c.connect("c", 0.0, keep_alive=60)
+    broker.pause_writing(c.conn, 5.0)
+    broker.tick(19.9)
+    assert c.conn.state == CONNECTED
+    broker.tick(20.0)
+    assert c.conn.state == CLOSED and c.conn.abort
+    assert broker.stats.refused["send_timeout"] == 1
+
+
+def test_connect_timeout_no_longer_applies_once_connected_without_keep_alive() -> None:
+    broker = make_broker()
+    waiting = Client(broker, 4, ZoneLimits(connect_timeout=10.0))
+    c = Client(broker, 4, ZoneLimits(connect_timeout=10.0))
+    assert len(broker.deadlines) == 2  # both filed under their CONNECT timeout
+    c.connect("c", 1.0, keep_alive=0)
+    assert len(broker.deadlines) == 1
+    broker.tick(10.0)
+    assert waiting.conn.state == CLOSED and c.conn.state == CONNECTED
+    assert len(broker.deadlines) == 0
+
+
 def test_mqtt_3_1_4_3_session_take_over_disconnects_the_old_connection_0x8e() -> None:
     broker = make_broker()
     old = Client(broker, 5)

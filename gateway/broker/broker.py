@@ -111,6 +111,7 @@ class Broker(BrokerState):
         """Register a new Network Connection accepted on ``listener`` from ``peer``."""
         conn = Connection(limits, listener, peer, now)
         self.connections.add(conn)
+        self.deadlines.schedule(conn, now + limits.connect_timeout)
         self.stats.connections_total += 1
         return conn
 
@@ -237,6 +238,7 @@ class Broker(BrokerState):
     def connection_lost(self, conn: Connection, now: float) -> None:
         """The Network Connection closed (by the peer, or after the broker asked)."""
         self.connections.discard(conn)
+        self.deadlines.unschedule(conn)
         self.dirty.discard(conn)
         self.held.discard(conn)
         conn.pending = False
@@ -251,6 +253,8 @@ class Broker(BrokerState):
         ``send_timeout`` seconds the connection is closed (:meth:`tick`)."""
         conn.paused = True
         conn.paused_at = now
+        if conn.limits.send_timeout:
+            self.deadlines.schedule(conn, now + conn.limits.send_timeout)
 
     def resume_writing(self, conn: Connection, now: float) -> None:
         """The socket drained below its low-water mark: send what waited."""

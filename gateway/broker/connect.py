@@ -10,6 +10,7 @@ import secrets
 from typing import Any
 
 from gateway.broker.access import authenticate, client_rules, listener_access, redecide
+from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import pump, resend
 from gateway.broker.limits import ZoneLimits, topic_limit_error
 from gateway.broker.message import is_utf8
@@ -255,6 +256,11 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         conn.request_problem_info = props.get(P.REQUEST_PROBLEM_INFORMATION, 1) == 1
     else:
         conn.window = limits.window(None)
+    # The CONNECT timeout no longer applies: next come Keep Alive and identifiers of a resumed session awaiting PUBREL.
+    core.deadlines.unschedule(conn)
+    at = next_check(conn, now)
+    if at is not None:
+        core.deadlines.schedule(conn, at)
 
     ack_props: dict[int, Any] = {}
     if v5:

@@ -31,6 +31,10 @@ def received(
     """Keep a new QoS 2 ``message`` under ``pid`` until its PUBREL, and PUBREC it once that is durable
     (``on_failure(entry, full)`` when the commit fails)."""
     entry = session.awaiting_rel[pid] = (message, now)
+    timeout = session.limits.await_rel_timeout
+    if timeout and len(session.awaiting_rel) == 1:
+        # The first one awaiting: its deadline is the session's earliest (the Deadline Index re-reads the rest).
+        core.deadlines.schedule(conn, now + timeout)
     if session.persistent:
         core.store.inbound_saved(session.client_id, pid, message)
     core.store.when_durable(lambda: pubrec(core, conn, pid), lambda full: on_failure(entry, full))

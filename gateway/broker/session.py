@@ -157,6 +157,8 @@ class Connection:
         deferred / deferred_data: the PUBLISH waiting for a token, and bytes read meanwhile (``max_publish_rate``).
         paused_until: wall-clock seconds until which the I/O layer must not read from this connection
             (``max_publish_rate``); the Keep Alive check counts from then.
+        check_key: the whole second under which the Deadline Index files this connection's next deadline check,
+            or ``None`` (:mod:`gateway.broker.deadlines`).
     """
 
     __slots__ = (
@@ -164,6 +166,7 @@ class Connection:
         "aliases_in",
         "aliases_out",
         "cert_cn",
+        "check_key",
         "client_id",
         "close_after_flush",
         "connected_at",
@@ -239,6 +242,7 @@ class Connection:
         self.paused_until = 0.0
         self.deferred: Any = None
         self.deferred_data = b""
+        self.check_key: int | None = None
 
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"

@@ -9,6 +9,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
+from gateway.broker.deadlines import DeadlineIndex
 from gateway.broker.limits import BrokerSettings
 from gateway.broker.message import Message
 from gateway.broker.ratelog import RateLimitedLog
@@ -91,6 +92,8 @@ class BrokerState:
         self.store: SessionStore = store or MemoryStore()
         self.sessions: dict[str, Session] = {}
         self.connections: set[Connection] = set()
+        #: The open connections by the second of their next deadline check (the tick looks at these only).
+        self.deadlines = DeadlineIndex()
         self.tree = SubscriptionTree()
         self.retained = RetainedMessages()
         #: Connections with output to write; the I/O layer writes and clears them once per loop turn.
