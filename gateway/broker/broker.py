@@ -115,6 +115,14 @@ class Broker(BrokerState):
         self.stats.connections_total += 1
         return conn
 
+    def accepted_at(self, conn: Connection, at: float) -> None:
+        """``conn`` was accepted at ``at`` (wall-clock seconds), before :meth:`open` (a TLS handshake or a
+        WebSocket upgrade came first): its CONNECT timeout counts from then."""
+        conn.opened_at = at
+        self.deadlines.unschedule(conn)
+        if conn.state == AWAITING_CONNECT:
+            self.deadlines.schedule(conn, at + conn.limits.connect_timeout)
+
     def receive(self, conn: Connection, data: bytes, now: float) -> None:
         """Handle bytes read from ``conn``: decode whole packets and act on each, in order.
 

@@ -14,19 +14,23 @@ from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import pump, resend
 from gateway.broker.limits import ZoneLimits, topic_limit_error
 from gateway.broker.message import is_utf8
-from gateway.broker.output import send
+from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect
 from gateway.broker.session import AWAITING_CONNECT, CONNECTED, HELD, NEVER, Connection, Session
 from gateway.broker.sessions import close, end_session, expire_session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
-from gateway.mqtt.packets import MQTT_3_1, MQTT_5, Connack, Connect
+from gateway.mqtt.packets import CONNACK, MQTT_3_1, MQTT_5, Connack, Connect
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import ReasonCode as RC
 from gateway.mqtt.topics import require_topic, topic_name_error
 
 log = logging.getLogger("gateway.broker")
+
+
+#: The CONNACK of an accepted 3.1/3.1.1 CONNECT by Session Present: return code 0 (MQTT 3.1.1 §3.2), 4 bytes.
+_CONNACK_3 = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")
 
 
 def refuse(core: BrokerState, conn: Connection, reason: RC, message: str, now: float) -> None:
@@ -105,8 +109,8 @@ def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
     (with the packets that arrived meanwhile). Held before it is checked, whatever its password, so its answer
     cannot be timed. True when held."""
     throttle = core.settings.throttle
-    if throttle is None:
-        return False
+    if throttle is None or not len(throttle):
+        return False  # no failed attempt remembered: nothing to look up
     delay = throttle.delay(peer_host(conn.peer), now)
     if delay <= 0:
         return False
@@ -286,8 +290,12 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         keep_alive,
         session_present,
     )
-    # MQTT 3.1 has no Session Present flag: the first CONNACK byte is reserved, 0 (the session is resumed).
-    send(core, conn, Connack(session_present and p.protocol_level != MQTT_3_1, 0, ack_props))
+    if v5:
+        send(core, conn, Connack(session_present, 0, ack_props))
+    else:
+        # MQTT 3.1 has no Session Present flag: the first CONNACK byte is reserved, 0 (the session is resumed).
+        send_raw(core, conn, _CONNACK_3[session_present and p.protocol_level != MQTT_3_1])
+        core.stats.sent[CONNACK] += 1
 
     # Resume: re-send unacknowledged PUBLISH with DUP=1 and PUBREL, in order [MQTT-4.4.0-1].
     resend(core, session, conn, now)

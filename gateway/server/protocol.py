@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from typing import Any
 
@@ -163,12 +162,7 @@ class MQTTProtocol(asyncio.Protocol):
             peer = f"{peername[0]}:{peername[1]}"
         else:
             peer = f"unix:{self.listener}"
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+        # TCP_NODELAY: asyncio (3.7+) and uvloop set it on every TCP transport they create, tls_accept on its own.
         self.conn = self.io.broker.open(self.limits, self.listener, peer, time.time())
         self.transport = transport
         self.io.transports[self.conn] = transport

@@ -84,7 +84,7 @@ class TlsMQTTProtocol(MQTTProtocol):
         super().connection_made(transport)
         conn = self.conn
         if conn is not None:
-            conn.opened_at = self.accepted_at
+            self.io.broker.accepted_at(conn, self.accepted_at)
             conn.cert_cn = peer_common_name(transport.get_extra_info("peercert"))
 
 

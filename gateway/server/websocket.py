@@ -300,7 +300,7 @@ class WebSocketProtocol(asyncio.Protocol):
         conn = mqtt.conn
         if conn is not None:
             assert self.accepted_at is not None
-            conn.opened_at = self.accepted_at  # CONNECT's deadline counts from the accept, upgrade included
+            self.io.broker.accepted_at(conn, self.accepted_at)  # CONNECT's deadline counts from the accept
             conn.cert_cn = peer_common_name(raw.get_extra_info("peercert"))  # wss with a client certificate
         return True
 
