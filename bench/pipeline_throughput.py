@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import random
+import shlex
 import shutil
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: another tree's pipeline/ can be measured
 
 DAY = dt.date(2024, 5, 1)
 GATEWAYS = 50
@@ -212,8 +213,18 @@ def main() -> int:
     parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="a Spark setting")
     args = parser.parse_args()
 
+    import pipeline
     from pipeline import jobs
-    from pipeline.spark import get_spark, local_submit_args
+    from pipeline import spark as pipeline_spark
+    from pipeline.spark import get_spark
+
+    print(f"pipeline: {Path(pipeline.__file__).parent}")  # PYTHONPATH=OTHER_TREE measures another tree's pipeline/
+    local_submit_args = getattr(pipeline_spark, "local_submit_args", None)
+    if local_submit_args is None:  # a pipeline/ from before local_submit_args (and its collector setting)
+        def local_submit_args(conf: dict[str, str], java_options: str = "") -> str:
+            memory = conf.get("spark.driver.memory", getattr(pipeline_spark, "LOCAL_DRIVER_MEMORY", "2g"))
+            options = " ".join(filter(None, [conf.get("spark.driver.extraJavaOptions", ""), java_options]))
+            return f"--driver-memory {memory} --driver-java-options {shlex.quote(options)} pyspark-shell"
 
     gateways = args.gateways or max(GATEWAYS, -(-args.records // 20_000))
 
@@ -288,9 +299,12 @@ def main() -> int:
                 stats.update(jobs.run_all(spark, cfg, DAY, DAY, on_stage=stage_done))
             else:  # the jobs before the parse-once change (to measure a baseline with this script)
                 for stage in jobs.STAGES:
-                    jobs.RUNNERS[stage](spark, cfg, DAY, DAY)
+                    counts_of_stage = jobs.RUNNERS[stage](spark, cfg, DAY, DAY)
                     stage_done(stage)
-                stats.update(jobs.stats(spark, cfg, list(jobs.STAGES), DAY, DAY))
+                    if not hasattr(jobs, "stats"):  # before jobs.stats: each runner counted its rows itself
+                        stats.update(counts_of_stage)
+                if hasattr(jobs, "stats"):
+                    stats.update(jobs.stats(spark, cfg, list(jobs.STAGES), DAY, DAY))
                 stage_done("stats")
             elapsed = time.monotonic() - t_all
             cpu_s = jvm_cpu() - cpu_all
