@@ -25,6 +25,10 @@ log = logging.getLogger("gateway.server")
 #: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data (issue 13).
 CLOSE_LINGER = 1.0
 
+#: Packets queued for the connection just read after which they are written at once instead of at the end of the
+#: loop turn (once per connection and turn otherwise, so that acknowledgements and fan-in deliveries share a write).
+WRITE_NOW_PACKETS = 256
+
 
 class BrokerIO:
     """Owns the broker's I/O side: the flush scheduled once per loop turn and the one-second ticker."""
@@ -185,6 +189,10 @@ class MQTTProtocol(asyncio.Protocol):
                 # works on it while the broker handles the rest.
                 io.write_now(conn)
                 broker.resume(conn, now)
+            if len(conn.out) >= WRITE_NOW_PACKETS:
+                # Many packets for this connection (a SUBSCRIBE that matched many retained messages): written now,
+                # so the client reads them while the broker handles the other connections of this loop turn.
+                io.write_now(conn)
         except Exception:
             # A bug must cost one connection, never the broker.
             log.exception("internal error while handling %s; closing that connection", conn)
