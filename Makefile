@@ -56,7 +56,7 @@ test: venv deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-# Benchmarks side by side with Mosquitto (bench/run.py; about 6 min on 2 cores). amqtt, the Python reference, lives in its
+# Benchmarks side by side with Mosquitto (bench/run.py about 10 min on 2 cores, the scripts after it ~15 min). amqtt, the Python reference, lives in its
 # own venv; if it cannot be installed its cells say n/a. `make bench BENCH_ARGS=--quick` for one short run.
 AMQTT_VENV := bench/.venv-amqtt
 AMQTT_VERSION := 0.12.1
