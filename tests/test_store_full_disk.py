@@ -378,6 +378,47 @@ def test_full_disk_refuses_qos1_and_qos2_at_once_serves_qos0_keeps_acknowledged_
 # ------------------------------------------------------------------------------------------------ the store alone
 
 
+def test_a_waiter_with_nothing_of_its_own_in_a_failed_batch_is_not_refused(tmp_path: Path) -> None:
+    """Isolation (DESIGN.md §4): a QoS 1 PUBLISH that recorded nothing (clean sessions only) waits behind the batch
+    being written only to keep acknowledgements in order. When that batch fails for lack of room, its own waiters
+    are refused (told the store is full) and the other is acknowledged right after them: another client's failed
+    commit does not refuse it. The batch is held in flight by holding ``map_lock``, under which the writer grows the
+    map (a 32 MiB map, 80 MiB of changes, ``max_size`` 64 MiB)."""
+    loop = asyncio.new_event_loop()
+    store = LmdbStore(
+        StoreSettings(path=str(tmp_path / "store"), max_size=64 * 1024 * 1024, mqueue_mem_len=0), ZoneLimits
+    )
+    store.load(0.0)
+    store.attach(loop)
+    events: list[Any] = []
+
+    async def until(predicate: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    try:
+        store.session_saved(Session("s", ZoneLimits(), expiry_interval=NEVER))
+        for mid in range(1, 21):
+            store.delivery_saved("s", Delivery(Message(mid, "t", bytes([mid]) * 4 * 1024 * 1024, 1, False, {}, 0.0), 1))
+        store.when_durable(lambda: events.append("flood acknowledged"),
+                           lambda full: events.append(("flood refused", full)))
+        with store.map_lock:
+            loop.run_until_complete(asyncio.sleep(0))  # this loop turn hands the batch to the writer
+            assert store.pending() and events == []
+            # A later turn: a bystander's PUBLISH that recorded nothing waits behind the batch in flight.
+            store.when_durable(lambda: events.append("bystander acknowledged"),
+                               lambda full: events.append(("bystander refused", full)))
+        assert loop.run_until_complete(until(lambda: not store.pending(), 30.0))
+        assert events == [("flood refused", True), "bystander acknowledged"], events
+    finally:
+        store.close()
+        loop.close()
+
+
 def test_a_batch_over_max_size_runs_its_failure_callbacks_and_the_store_takes_work_again_by_itself(
     tmp_path: Path,
 ) -> None:

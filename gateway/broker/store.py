@@ -113,7 +113,8 @@ class SessionStore(Protocol):
         """Run ``callback`` once everything recorded so far is committed (FIFO with other callbacks). When the
         commit holding it fails, run ``on_failure`` instead (if given; FIFO too) with True when the store or its
         disk is full (MDB_MAP_FULL, ENOSPC, EDQUOT; DESIGN.md §4: answer 0x97) and False for other write errors;
-        nothing of that commit may be acknowledged."""
+        nothing of that commit may be acknowledged. A store may run ``callback`` instead when the caller has no
+        change of its own in the failed commit (it waited only for the order of acknowledgements)."""
         ...
 
     def pager(self, client_id: str) -> tuple[QueuePager, int] | None:

@@ -144,6 +144,9 @@ class LmdbStore(LmdbWriter):
         self._fails: list[Callable[[bool], None]] = []  # the open batch's on_failure callbacks, in order
         self._inflight: deque[list[Callable[[], None]]] = deque()
         self._inflight_fail: deque[list[Callable[[bool], None]]] = deque()
+        #: A batch was handed over by when_durable itself (group_commit off) in this loop turn: a later callback of
+        #: this turn may own changes in it (recorded before a nested when_durable), so it is not a rider.
+        self._submitted_this_turn = False
         #: Called on the loop with the client ids whose changes were left out of a commit (they failed alone),
         #: before that commit's ``when_durable`` callbacks run: the broker closes their connections so that
         #: nothing of theirs is acknowledged (``Broker.store_change_failed``).
@@ -582,13 +585,18 @@ class LmdbStore(LmdbWriter):
     def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
         """Run ``callback`` on the loop once everything recorded so far is committed (FIFO with other callbacks);
         when the batch holding it cannot be committed, run ``on_failure`` instead (its argument: True when for
-        lack of room, MDB_MAP_FULL/ENOSPC/EDQUOT), or nothing."""
+        lack of room, MDB_MAP_FULL/ENOSPC/EDQUOT), or nothing. A caller with no change of its own in that batch
+        (nothing open, the batch handed over in an earlier loop turn) gets ``callback`` either way, after the
+        batch's own failures: another client's failed commit does not refuse it."""
         if self._ops or self._cbs or self._sent:
             self._cbs.append(callback)
             if on_failure is not None:
                 self._fails.append(on_failure)
             if not self.settings.group_commit:
                 self._submit()
+                if not self._submitted_this_turn and self.loop is not None:
+                    self._submitted_this_turn = True
+                    self.loop.call_soon(self._turn_over)
             elif self._lazy is not None:
                 # Someone waits now: commit at the end of this loop turn, not when the lazy timer fires.
                 self._lazy.cancel()
@@ -597,11 +605,21 @@ class LmdbStore(LmdbWriter):
                 assert self.loop is not None
                 self.loop.call_soon(self._submit)
         elif self._inflight:
-            self._inflight[-1].append(callback)
-            if on_failure is not None:
-                self._inflight_fail[-1].append(on_failure)
+            self._inflight[-1].append(callback)  # FIFO: after the acknowledgements of the batch being written
+            if self._submitted_this_turn:
+                if on_failure is not None:
+                    self._inflight_fail[-1].append(on_failure)
+            else:
+                # A rider: nothing is open, and every batch in flight was handed over in an earlier loop turn, so
+                # none holds a change of this caller (a handler records and asks in one turn). If that batch
+                # fails, this one has lost nothing: it completes after the batch's own failures, still in order,
+                # and another client's failed commit never refuses it (isolation; DESIGN.md §4).
+                self._inflight_fail[-1].append(lambda _full: callback())
         else:
             callback()
+
+    def _turn_over(self) -> None:
+        self._submitted_this_turn = False
 
     def pager(self, client_id: str) -> tuple[LmdbPager, int] | None:
         mem_len = self.settings.mqueue_mem_len
