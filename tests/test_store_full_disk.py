@@ -378,32 +378,37 @@ def test_full_disk_refuses_qos1_and_qos2_at_once_serves_qos0_keeps_acknowledged_
 # ------------------------------------------------------------------------------------------------ the store alone
 
 
+def _full_store(tmp_path: Path, max_size: int, payload: int) -> tuple[asyncio.AbstractEventLoop, LmdbStore]:
+    """A store of ``max_size`` bytes on a new event loop, with 20 queue rows of ``payload`` bytes each recorded for
+    a persistent session in one loop turn (not yet committed)."""
+    loop = asyncio.new_event_loop()
+    store = LmdbStore(StoreSettings(path=str(tmp_path / "store"), max_size=max_size, mqueue_mem_len=0), ZoneLimits)
+    store.load(0.0)
+    store.attach(loop)
+    store.session_saved(Session("s", ZoneLimits(), expiry_interval=NEVER))
+    for mid in range(1, 21):
+        store.delivery_saved("s", Delivery(Message(mid, "t", bytes([mid]) * payload, 1, False, {}, 0.0), 1))
+    return loop, store
+
+
+async def _until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 def test_a_waiter_with_nothing_of_its_own_in_a_failed_batch_is_not_refused(tmp_path: Path) -> None:
     """Isolation (DESIGN.md §4): a QoS 1 PUBLISH that recorded nothing (clean sessions only) waits behind the batch
     being written only to keep acknowledgements in order. When that batch fails for lack of room, its own waiters
     are refused (told the store is full) and the other is acknowledged right after them: another client's failed
     commit does not refuse it. The batch is held in flight by holding ``map_lock``, under which the writer grows the
     map (a 32 MiB map, 80 MiB of changes, ``max_size`` 64 MiB)."""
-    loop = asyncio.new_event_loop()
-    store = LmdbStore(
-        StoreSettings(path=str(tmp_path / "store"), max_size=64 * 1024 * 1024, mqueue_mem_len=0), ZoneLimits
-    )
-    store.load(0.0)
-    store.attach(loop)
+    loop, store = _full_store(tmp_path, 64 * 1024 * 1024, 4 * 1024 * 1024)
     events: list[Any] = []
-
-    async def until(predicate: Any, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
     try:
-        store.session_saved(Session("s", ZoneLimits(), expiry_interval=NEVER))
-        for mid in range(1, 21):
-            store.delivery_saved("s", Delivery(Message(mid, "t", bytes([mid]) * 4 * 1024 * 1024, 1, False, {}, 0.0), 1))
         store.when_durable(lambda: events.append("flood acknowledged"),
                            lambda full: events.append(("flood refused", full)))
         with store.map_lock:
@@ -412,7 +417,7 @@ def test_a_waiter_with_nothing_of_its_own_in_a_failed_batch_is_not_refused(tmp_p
             # A later turn: a bystander's PUBLISH that recorded nothing waits behind the batch in flight.
             store.when_durable(lambda: events.append("bystander acknowledged"),
                                lambda full: events.append(("bystander refused", full)))
-        assert loop.run_until_complete(until(lambda: not store.pending(), 30.0))
+        assert loop.run_until_complete(_until(lambda: not store.pending(), 30.0))
         assert events == [("flood refused", True), "bystander acknowledged"], events
     finally:
         store.close()
@@ -426,35 +431,18 @@ def test_a_batch_over_max_size_runs_its_failure_callbacks_and_the_store_takes_wo
     (MDB_MAP_FULL at max_size), so the batch's ``on_failure`` callbacks run (told the store is full) instead of its
     callbacks, and ``has_room`` is False; with nothing else to commit, the writer's probe finds room again within a
     few seconds, and the next batch commits."""
-    loop = asyncio.new_event_loop()
-    store = LmdbStore(
-        StoreSettings(path=str(tmp_path / "store"), max_size=4 * 1024 * 1024, mqueue_mem_len=0), ZoneLimits
-    )
-    store.load(0.0)
-    store.attach(loop)
+    loop, store = _full_store(tmp_path, 4 * 1024 * 1024, 256 * 1024)
     events: list[Any] = []
-
-    async def until(predicate: Any, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
     try:
-        store.session_saved(Session("s", ZoneLimits(), expiry_interval=NEVER))
-        for mid in range(1, 21):
-            store.delivery_saved("s", Delivery(Message(mid, "t", bytes([mid]) * 256 * 1024, 1, False, {}, 0.0), 1))
         store.when_durable(lambda: events.append("acknowledged"), lambda full: events.append(("refused", full)))
         store.when_durable(lambda: events.append("acknowledged 2"))  # no on_failure: nothing runs
-        assert loop.run_until_complete(until(lambda: not store.pending(), 10.0))
+        assert loop.run_until_complete(_until(lambda: not store.pending(), 10.0))
         assert events == [("refused", True)], events
         assert store.last_write_failed and not store.has_room(None)
-        assert loop.run_until_complete(until(lambda: store.has_room(None), 5.0)), "the store never took work again"
+        assert loop.run_until_complete(_until(lambda: store.has_room(None), 5.0)), "the store never took work again"
         store.session_saved(Session("t", ZoneLimits(), expiry_interval=NEVER))
         store.when_durable(lambda: events.append("acknowledged 3"), lambda full: events.append(("refused", full)))
-        assert loop.run_until_complete(until(lambda: "acknowledged 3" in events, 5.0)), events
+        assert loop.run_until_complete(_until(lambda: "acknowledged 3" in events, 5.0)), events
     finally:
         store.close()
         loop.close()
