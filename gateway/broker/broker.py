@@ -27,6 +27,7 @@ from typing import Any
 
 from gateway import __version__
 from gateway.broker import access, connect, delivery, inbound, inflight, qos2, router, sessions, subscribe, timers
+from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Message
@@ -119,9 +120,7 @@ class Broker(BrokerState):
         """``conn`` was accepted at ``at`` (wall-clock seconds), before :meth:`open` (a TLS handshake or a
         WebSocket upgrade came first): its CONNECT timeout counts from then."""
         conn.opened_at = at
-        self.deadlines.unschedule(conn)
-        if conn.state == AWAITING_CONNECT:
-            self.deadlines.schedule(conn, at + conn.limits.connect_timeout)
+        self.deadlines.refile(conn, next_check(conn, at))
 
     def receive(self, conn: Connection, data: bytes, now: float) -> None:
         """Handle bytes read from ``conn``: decode whole packets and act on each, in order.

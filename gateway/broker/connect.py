@@ -261,10 +261,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     else:
         conn.window = limits.window(None)
     # The CONNECT timeout no longer applies: next come Keep Alive and identifiers of a resumed session awaiting PUBREL.
-    core.deadlines.unschedule(conn)
-    at = next_check(conn, now)
-    if at is not None:
-        core.deadlines.schedule(conn, at)
+    core.deadlines.refile(conn, next_check(conn, now))
 
     ack_props: dict[int, Any] = {}
     if v5:

@@ -55,6 +55,13 @@ class DeadlineIndex:
         bucket.add(conn)
         conn.check_key = key
 
+    def refile(self, conn: Connection, at: float | None) -> None:
+        """File ``conn`` under ``at`` (seconds; ``None``: no deadline) whatever it was filed under before: its
+        deadlines changed (a CONNECT accepted, an accept time given, a check done)."""
+        self.unschedule(conn)
+        if at is not None:
+            self.schedule(conn, at)
+
     def unschedule(self, conn: Connection) -> None:
         """Take ``conn`` out (it closed)."""
         key = conn.check_key

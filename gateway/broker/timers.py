@@ -34,9 +34,7 @@ def run(core: BrokerState, now: float) -> None:
     for conn in deadlines.due(now):
         check(core, conn, now)
         if conn.state != CLOSED:
-            at = next_check(conn, now)
-            if at is not None:
-                deadlines.schedule(conn, at)
+            deadlines.refile(conn, next_check(conn, now))
     for session in list(core.congested):
         if session.conn is None or now - session.conn.last_ack_at >= STALLED_AFTER:
             # A consumer that stopped acknowledging does not hold publishers back: its queue fills and
