@@ -8,13 +8,14 @@ DESIGN.md §3) or the normative statement they check.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session import CLOSED, CONNECTED
+from gateway.broker.session import CLOSED, CONNECTED, NO_ENTRIES, NO_QUEUE
 from gateway.broker.store import ChangeLog, MemoryStore, StoreChange
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (
@@ -31,6 +32,8 @@ from gateway.mqtt.packets import (
     Suback,
     Subscribe,
     Subscription,
+    Unsuback,
+    Unsubscribe,
     Will,
 )
 from gateway.mqtt.properties import PropertyId as P
@@ -304,6 +307,71 @@ def test_seed003_qos2_duplicate_publish_before_pubrel_delivered_once() -> None:
     pub.send(PubRel(7))  # a repeated PUBREL after the identifier was forgotten: PUBCOMP again, no copy
     assert pub.read() == [PubComp(7)]
     assert sub.read() == []
+
+
+def test_seed000_a_session_that_never_subscribed_holds_no_queue_window_or_subscriptions_of_its_own() -> None:
+    """A client that only publishes (most sensors) shares empty read-only stand-ins for the subscriptions, the
+    Inflight Window, the Message Queue and the QoS 2 identifiers awaiting PUBREL (an idle connection stays small,
+    issue 20); its QoS 1/2 flows, an UNSUBSCRIBE of nothing and a resumed persistent session work as ever, and its
+    first SUBSCRIBE gives it its own."""
+    broker = make_broker()
+    pub = Client(broker, 5)
+    pub.connect("pub", clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 60})
+    session = broker.sessions["pub"]
+    assert session.mqueue is NO_QUEUE and len(session.mqueue) == 0
+    assert session.inflight is NO_ENTRIES and session.subscriptions is NO_ENTRIES
+    assert session.awaiting_rel is NO_ENTRIES
+    pub.send(Unsubscribe(1, ["never/subscribed"]))
+    assert pub.read() == [Unsuback(1, [RC.NO_SUBSCRIPTION_EXISTED])]
+    pub.send(Publish("t", b"1", qos=1, packet_id=2))
+    pub.send(Publish("t", b"2", qos=2, packet_id=3))
+    assert pub.read() == [PubAck(2, RC.NO_MATCHING_SUBSCRIBERS), PubRec(3)]  # QoS 2 is routed on PUBREL
+    assert session.awaiting_rel is not NO_ENTRIES and list(session.awaiting_rel) == [3]  # its own, once used
+    pub.send(PubRel(3))
+    assert pub.read() == [PubComp(3)] and not session.awaiting_rel
+    pub.disconnect(1.0)
+    again = Client(broker, 5)
+    assert again.connect("pub", 2.0, clean_start=False).session_present  # resumed: nothing to re-send
+    assert again.read() == [] and broker.sessions["pub"].mqueue is NO_QUEUE
+    assert again.subscribe("t", 1, 2.0) == [1]
+    assert session.mqueue is not NO_QUEUE and isinstance(session.inflight, dict)
+    assert list(session.subscriptions) == ["t"]
+    other = Client(broker, 5)
+    other.connect("other")
+    other.send(Publish("t", b"3", qos=1, packet_id=1))
+    assert [p.payload for p in again.publishes()] == [b"3"]
+    assert NO_QUEUE.max_len == 0 and len(NO_QUEUE) == 0 and len(NO_ENTRIES) == 0  # the stand-ins stayed empty
+
+
+def test_an_idle_connection_costs_the_core_under_1_kib() -> None:
+    """The core's objects for one idle connection (Connection, Session, its entries in the broker's tables and
+    the Deadline Index, the Client Identifier), counted by tracemalloc over 3,000 connections: < 1,024 bytes
+    (issue 20; 1,415 bytes before the shared stand-ins of a session that never subscribed, and the dicts instead
+    of sets for the connections and the Deadline Index's seconds)."""
+    import gc
+    import tracemalloc
+
+    broker = make_broker()
+    limits = ZoneLimits()
+    packets = [Connect(f"idle-{i:06d}", keep_alive=60).encode(4) for i in range(3000)]
+    peers = [f"127.0.0.1:{20000 + i}" for i in range(3000)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        conns = []
+        for i in range(3000):
+            conn = broker.open(limits, "external", peers[i], 0.5)
+            broker.receive(conn, packets[i], 0.5)
+            conn.out.clear()
+            conns.append(conn)
+        broker.dirty.clear()
+        gc.collect()
+        per_connection = (tracemalloc.get_traced_memory()[0] - before - sys.getsizeof(conns)) / 3000
+    finally:
+        tracemalloc.stop()
+    assert all(c.state == CONNECTED for c in conns)
+    assert per_connection < 1024, per_connection
 
 
 def test_seed003_pubrel_for_an_unknown_identifier_still_gets_pubcomp() -> None:

@@ -74,7 +74,7 @@ class PagedSession:
         self.store.session_saved(session)
         paging = self.store.pager("sub")
         assert paging is not None
-        session.mqueue.enable_paging(*paging)
+        session.start_receiving(*paging)
         return session
 
     def push(self, tag: int, qos: int, payload: bytes | None = None) -> tuple[int, int] | None:
@@ -222,6 +222,7 @@ def test_paged_rows_shared_by_two_sessions_keep_their_message(tmp_path: Path) ->
     paged = PagedSession(tmp_path / "store", 0, 1)
     try:
         other = Session("sub2", ZoneLimits(max_mqueue_len=0), expiry_interval=NEVER)
+        other.start_receiving()
         paged.store.session_saved(other)
         for tag in range(1, 4):
             message = Message(tag, "t", b"%d" % tag, 1, False, {}, 0.0)

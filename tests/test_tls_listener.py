@@ -508,8 +508,8 @@ def test_the_verified_cn_reaches_the_connection_and_early_connect_is_kept(
         finally:
             tls.close()
             await tls.wait_closed()
-            for proto in list(io.open_connections):
-                proto.transport.abort()
+            for transport in list(io.transports.values()):
+                transport.abort()
             await asyncio.sleep(0.05)
         return reply, cns
 

@@ -111,7 +111,7 @@ class Broker(BrokerState):
     def open(self, limits: ZoneLimits, listener: str, peer: str, now: float) -> Connection:
         """Register a new Network Connection accepted on ``listener`` from ``peer``."""
         conn = Connection(limits, listener, peer, now)
-        self.connections.add(conn)
+        self.connections[conn] = None
         self.deadlines.schedule(conn, now + limits.connect_timeout)
         self.stats.connections_total += 1
         return conn
@@ -244,7 +244,7 @@ class Broker(BrokerState):
 
     def connection_lost(self, conn: Connection, now: float) -> None:
         """The Network Connection closed (by the peer, or after the broker asked)."""
-        self.connections.discard(conn)
+        self.connections.pop(conn, None)
         self.deadlines.unschedule(conn)
         self.dirty.discard(conn)
         self.held.discard(conn)

@@ -17,7 +17,7 @@ from gateway.broker.message import is_utf8
 from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect
-from gateway.broker.session import AWAITING_CONNECT, CONNECTED, HELD, NEVER, Connection, Session
+from gateway.broker.session import AWAITING_CONNECT, CONNECTED, HELD, NEVER, NO_QUEUE, Connection, Session
 from gateway.broker.sessions import close, end_session, expire_session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
@@ -307,20 +307,24 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
     session.expiry_interval = expiry_interval
     core.persistent_count += session.persistent - was_persistent
     session.protocol_level = conn.version
+    mqueue = session.mqueue
+    receiving = mqueue is not NO_QUEUE  # else it has never subscribed: no queue to bound or page yet
     if session.limits is not limits:
         session.limits = limits
-        session.mqueue.max_len = limits.max_mqueue_len
-        session.mqueue.max_bytes = limits.max_mqueue_bytes
+        if receiving:
+            mqueue.max_len = limits.max_mqueue_len
+            mqueue.max_bytes = limits.max_mqueue_bytes
     if session.persistent:
         core.store.session_saved(session)
-        if session.mqueue.pager is None:
+        if receiving and mqueue.pager is None:
             paging = core.store.pager(session.client_id)
             if paging is not None:
-                session.mqueue.enable_paging(*paging)
-        else:
-            session.mqueue.hold_in_memory(True)  # back online: drain in large batches again
+                mqueue.enable_paging(*paging)
+        elif receiving:
+            mqueue.hold_in_memory(True)  # back online: drain in large batches again
     elif was_persistent:
-        session.mqueue.page_in_all()  # its store rows go now; the queue lives on in memory
+        if receiving:
+            mqueue.page_in_all()  # its store rows go now; the queue lives on in memory
         core.store.session_deleted(session.client_id)
     conn.session = session
     conn.client_id = session.client_id

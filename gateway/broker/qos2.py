@@ -14,7 +14,7 @@ from gateway.broker.message import Message
 from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
 from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.router import publish
-from gateway.broker.session import CONNECTED, Connection, Session
+from gateway.broker.session import CONNECTED, Connection, Session, awaiting_rel_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import PubComp, PubRel
 
@@ -30,9 +30,10 @@ def received(
 ) -> None:
     """Keep a new QoS 2 ``message`` under ``pid`` until its PUBREL, and PUBREC it once that is durable
     (``on_failure(entry, full)`` when the commit fails)."""
-    entry = session.awaiting_rel[pid] = (message, now)
+    awaiting = awaiting_rel_for_write(session)
+    entry = awaiting[pid] = (message, now)
     timeout = session.limits.await_rel_timeout
-    if timeout and len(session.awaiting_rel) == 1:
+    if timeout and len(awaiting) == 1:
         # The first one awaiting: its deadline is the session's earliest (the Deadline Index re-reads the rest).
         core.deadlines.schedule(conn, now + timeout)
     if session.persistent:
@@ -68,7 +69,8 @@ def pubrel(core: BrokerState, conn: Connection, pid: int, now: float) -> None:
     recorded is durable (MQTT 5.0 §4.3.3)."""
     session = conn.session
     assert session is not None
-    entry = session.awaiting_rel.pop(pid, None)
+    awaiting = session.awaiting_rel
+    entry = awaiting.pop(pid, None) if awaiting else None  # type: ignore[attr-defined]  # non-empty: a dict
     if entry is not None:
         if session.persistent:
             core.store.inbound_deleted(session.client_id, pid)
@@ -90,9 +92,10 @@ def expire_awaiting_rel(core: BrokerState, session: Session, now: float) -> None
     timeout = session.limits.await_rel_timeout
     if not timeout or not session.awaiting_rel:
         return
-    for pid, (_message, received_at) in list(session.awaiting_rel.items()):
+    awaiting = awaiting_rel_for_write(session)
+    for pid, (_message, received_at) in list(awaiting.items()):
         if now - received_at >= timeout:
-            del session.awaiting_rel[pid]
+            del awaiting[pid]
             core.stats.dropped["await_rel_timeout"] += 1
             if session.persistent:
                 core.store.inbound_deleted(session.client_id, pid)

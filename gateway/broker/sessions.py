@@ -32,7 +32,7 @@ def close(core: BrokerState, conn: Connection, now: float, publish_will: bool) -
 
 def detach(core: BrokerState, conn: Connection, now: float, publish_will: bool) -> None:
     """The connection is gone: keep the session offline (persistent) or end it; handle the Will."""
-    core.connections.discard(conn)
+    core.connections.pop(conn, None)
     core.deadlines.unschedule(conn)
     session = conn.session
     will = conn.will

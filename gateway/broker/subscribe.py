@@ -11,7 +11,7 @@ from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import suback_failure
 from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import CONNECTED, Connection, partial_for_write
+from gateway.broker.session import CONNECTED, NO_QUEUE, Connection, Session, partial_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, Unsuback, Unsubscribe
@@ -88,8 +88,10 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         record = SubscriptionRecord(
             session.client_id, inner, sub.qos, sub.no_local, sub.retain_as_published, sub.retain_handling, sub_id, group
         )
+        if session.mqueue is NO_QUEUE:
+            _start_receiving(core, session)
         existed = core.tree.add(record)
-        session.subscriptions[record.key] = record
+        session.subscriptions[record.key] = record  # type: ignore[index]  # a dict since start_receiving
         if readable == "all":
             if record.key in session.partial:
                 partial_for_write(session).discard(record.key)
@@ -118,17 +120,29 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
     core.store.when_durable(done)
 
 
+def _start_receiving(core: BrokerState, session: Session) -> None:
+    """A session's first subscription: its own subscriptions, Inflight Window and Message Queue, the queue paged
+    through the store when the session is persistent (:meth:`Session.start_receiving`)."""
+    paging = core.store.pager(session.client_id) if session.persistent else None
+    if paging is None:
+        session.start_receiving()
+    else:
+        session.start_receiving(*paging)
+
+
 def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: float) -> None:
     session = conn.session
     assert session is not None
     codes: list[int] = []
+    subscriptions = session.subscriptions
     for topic_filter in p.topic_filters:
-        record = session.subscriptions.pop(topic_filter, None)
+        record = subscriptions.get(topic_filter)
         if topic_filter in session.partial:
             partial_for_write(session).discard(topic_filter)
         if record is None:
             codes.append(RC.NO_SUBSCRIPTION_EXISTED)
             continue
+        del subscriptions[topic_filter]  # type: ignore[attr-defined]  # holds one: a dict
         core.tree.remove(session.client_id, record.topic_filter, record.share_group)
         if session.persistent:
             core.store.subscription_deleted(session.client_id, topic_filter)

@@ -38,10 +38,10 @@ class BrokerIO:
         self.loop = loop
         self._flush_scheduled = False
         self._ticker: asyncio.Task[None] | None = None
-        self.open_connections: set[MQTTProtocol] = set()
         self.throttled: set[MQTTProtocol] = set()  # publishers paused while a consumer is congested
         self.rate_paused: set[MQTTProtocol] = set()  # reading paused until Connection.paused_until (max_publish_rate)
-        #: The transport of each open connection of the broker (the core never holds one).
+        #: The transport of each open connection of the broker (the core never holds one); empty once every
+        #: connection has closed.
         self.transports: dict[Connection, Any] = {}
         self.last_tick = time.monotonic()
 
@@ -172,7 +172,6 @@ class MQTTProtocol(asyncio.Protocol):
         self.io.transports[self.conn] = transport
         high = self.limits.high_watermark
         transport.set_write_buffer_limits(high=high, low=high // 4)
-        self.io.open_connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -240,7 +239,6 @@ class MQTTProtocol(asyncio.Protocol):
             self.io.schedule_flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.io.open_connections.discard(self)
         self.io.throttled.discard(self)
         self.io.rate_paused.discard(self)
         conn = self.conn

@@ -213,7 +213,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         io.flush()
         # Let the transports write their last bytes (DISCONNECT 0x8B) before the loop ends.
         deadline = time.monotonic() + 2.0
-        while io.open_connections and time.monotonic() < deadline:
+        while io.transports and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)
         if metrics is not None:

@@ -24,7 +24,7 @@ import lmdb
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Message
 from gateway.broker.pager import QueuePager
-from gateway.broker.session import Session
+from gateway.broker.session import Session, awaiting_rel_for_write
 from gateway.broker.store import LoadedState, OutboxRecord
 from gateway.store import records as rec
 from gateway.store.tables import Tables
@@ -207,8 +207,7 @@ def load_sessions(ld: Loading, hashed_keys: bool, limits_for: Callable[[], ZoneL
         ld.by_part[key] = session
         if rec.is_hashed(key) and hashed_keys:
             long_names[key] = cid
-        session.mqueue.enable_paging(pager_for(cid), ld.online_mem_len)
-        session.mqueue.hold_in_memory(False)
+        session.start_receiving(pager_for(cid), ld.online_mem_len).hold_in_memory(False)
 
 
 def load_subscriptions(ld: Loading) -> None:
@@ -219,7 +218,7 @@ def load_subscriptions(ld: Loading) -> None:
         if session is not None:
             value = bytes(value)
             record = rec.decode_subscription(session.client_id, rec.subscription_key(rest, value), value)
-            session.subscriptions[record.key] = record
+            session.subscriptions[record.key] = record  # type: ignore[index]  # loaded: start_receiving was called
 
 
 def load_queue(ld: Loading) -> None:
@@ -304,7 +303,7 @@ def _queue_row_in_memory(ld: Loading, session: Session, key: bytes, plen: int, v
     if inline is None:
         ld.ref(mid)
     if delivery.packet_id:
-        session.inflight[delivery.packet_id] = delivery
+        session.inflight[delivery.packet_id] = delivery  # type: ignore[index]
         session.next_packet_id = delivery.packet_id % 65535 + 1
     else:
         session.mqueue.push(delivery)
@@ -321,7 +320,7 @@ def load_inbound(ld: Loading) -> None:
         if session is None or msg is None:
             ld.expired.inbound.append(bytes(key))
             continue
-        session.awaiting_rel[int.from_bytes(rest, "big")] = (msg, received_at)
+        awaiting_rel_for_write(session)[int.from_bytes(rest, "big")] = (msg, received_at)
         ld.ref(mid)
 
 
