@@ -330,7 +330,6 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
     conn.client_id = session.client_id
     session.conn = conn
     conn.state = CONNECTED
-    conn.connected_at = now
     core.stats.clients_connected += 1
     core.listener_clients[conn.listener] += 1
     core.stats.clients_maximum = max(core.stats.clients_maximum, core.stats.clients_connected)

@@ -39,7 +39,8 @@ class ReadPaused(Exception):
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
     session = conn.session
     assert session is not None
-    rate = conn.limits.max_publish_rate
+    limits = conn.limits
+    rate = limits.max_publish_rate
     if rate:
         spend_publish_token(core, conn, p, rate, now)
     topic = p.topic
@@ -48,11 +49,11 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     if v5 and props:
         alias = props.get(P.TOPIC_ALIAS)
         if alias is not None:
-            if alias > conn.limits.topic_alias_maximum:
+            if alias > limits.topic_alias_maximum:
                 raise MQTTError(
                     RC.TOPIC_ALIAS_INVALID,
                     f"Topic Alias {alias} above the Topic Alias Maximum "
-                    f"{conn.limits.topic_alias_maximum} [MQTT-3.3.2-9]",
+                    f"{limits.topic_alias_maximum} [MQTT-3.3.2-9]",
                 )
             if topic:
                 aliases_in_for_write(conn)[alias] = topic
@@ -80,10 +81,10 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     if qos == 2 and pid in session.awaiting_rel:
         duplicate(core, conn, pid)  # type: ignore[arg-type]
         return
-    if qos and conn.inbound_pending + len(session.awaiting_rel) >= conn.limits.max_awaiting_rel:
+    if qos and conn.inbound_pending + len(session.awaiting_rel) >= limits.max_awaiting_rel:
         raise MQTTError(
             RC.RECEIVE_MAXIMUM_EXCEEDED,
-            f"more than Receive Maximum ({conn.limits.max_awaiting_rel}) QoS 1/2 PUBLISH "
+            f"more than Receive Maximum ({limits.max_awaiting_rel}) QoS 1/2 PUBLISH "
             "awaiting acknowledgement [MQTT-3.3.4-7]",
         )
     if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
@@ -95,10 +96,9 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
         reject(core, conn, p, RC.NOT_AUTHORIZED, "not allowed by the acl_file", counter="acl_denied")
         return
-    if topic == "$SYS" or topic.startswith("$SYS/"):
+    if topic[0] == "$" and (topic == "$SYS" or topic.startswith("$SYS/")):
         reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
         return
-    limits = conn.limits
     max_levels = limits.max_topic_levels
     max_len = limits.max_topic_length
     # Pre-filter so the common topic costs two comparisons; topic_limit_error decides (as for SUBSCRIBE, Wills).
@@ -144,7 +144,8 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         matched = publish(core, message, now)
         conn.inbound_pending += 1
         reason = 0 if matched else PUBACK_NO_MATCHING[conn.version]
-        core.store.when_durable(partial(_puback, core, conn, pid, reason), partial(_failed, core, conn, p, now, None))
+        committed = partial(_qos1_committed, core, conn, p, reason, now)
+        core.store.when_durable(committed, committed)
     else:
         received(core, conn, session, pid, message, now, partial(_failed, core, conn, p, now))  # type: ignore[arg-type]
 
@@ -236,13 +237,23 @@ def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: st
         send(core, conn, PubRec(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
 
 
-def _puback(core: BrokerState, conn: Connection, pid: int, reason: int) -> None:
-    """PUBACK a QoS 1 PUBLISH once its work is durable (DESIGN.md §4); the common one (reason 0, MQTT 5.0
-    §3.4.2.1: then the Reason Code may be left out) as its 4 bytes (:func:`~gateway.broker.output.send_ack`)."""
+def _qos1_committed(
+    core: BrokerState, conn: Connection, p: Publish, reason: int, now: float, full: bool | None = None
+) -> None:
+    """The commit a QoS 1 PUBLISH waited for, as ``when_durable``'s callback and its ``on_failure`` both (one
+    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish, issue 20).
+
+    Called without ``full``: the work is durable, PUBACK with ``reason`` (DESIGN.md §4); the common one (reason 0,
+    MQTT 5.0 §3.4.2.1: then the Reason Code may be left out) as its 4 bytes
+    (:func:`~gateway.broker.output.send_ack`). Called with ``full`` (the commit failed; True: for lack of room):
+    refused as :func:`_failed` says."""
+    if full is not None:
+        _failed(core, conn, p, now, None, full)
+        return
     conn.inbound_pending -= 1
     if conn.state != CONNECTED:
         return
     if reason:
-        send(core, conn, PubAck(pid, reason))
+        send(core, conn, PubAck(p.packet_id, reason))  # type: ignore[arg-type]
     else:
-        send_ack(core, conn, PUBACK_BYTE, pid)
+        send_ack(core, conn, PUBACK_BYTE, p.packet_id)  # type: ignore[arg-type]

@@ -210,7 +210,6 @@ class Connection:
         "check_key",
         "client_id",
         "close_after_flush",
-        "connected_at",
         "deferred",
         "deferred_data",
         "held",
@@ -257,7 +256,6 @@ class Connection:
         self.session: Session | None = None
         self.keep_alive = 0
         self.opened_at = now
-        self.connected_at = now
         self.last_rx = now
         self.last_ack_at = now
         self.window = limits.window(None)
