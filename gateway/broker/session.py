@@ -66,11 +66,6 @@ class Session:
         mqueue: the Message Queue.
         awaiting_rel: inbound QoS 2 messages received and PUBRECed, awaiting PUBREL (seed 003), with arrival
             times for ``await_rel_timeout``.
-
-        Until its first subscription a session's ``subscriptions``, ``inflight`` and ``mqueue`` are the shared
-        empty stand-ins :data:`NO_ENTRIES` and :data:`NO_QUEUE` (:meth:`start_receiving`), and ``awaiting_rel``
-        is :data:`NO_ENTRIES` until its first QoS 2 PUBLISH: about 370 bytes less for a client that only
-        publishes (issue 20). Read them freely; write through those helpers.
         expires_at: wall-clock seconds when an offline session ends, else ``None``.
         will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.
         username: the verified user name of the client that owns the session (``None``: anonymous); another
@@ -81,6 +76,11 @@ class Session:
             [MQTT-3.3.4-9].
         acl: its ACL rules (``gateway.broker.access.ClientRules``), ``None`` without an ``acl_file``.
         partial: keys of its subscriptions decided PARTIAL (checked per message, :mod:`gateway.broker.access`).
+
+    Until its first subscription a session's ``subscriptions``, ``inflight`` and ``mqueue`` are the shared empty
+    read-only stand-ins :data:`NO_ENTRIES` and :data:`NO_QUEUE` (written only after :meth:`start_receiving`), and
+    ``awaiting_rel`` is :data:`NO_ENTRIES` until its first QoS 2 PUBLISH (:func:`awaiting_rel_for_write`): about
+    370 bytes less for a client that only publishes (issue 20). Reading them needs no care.
     """
 
     __slots__ = (
