@@ -1,14 +1,18 @@
-"""Broker CPU per message of a QoS 1 or QoS 2 flow end to end, in process (no sockets): the sans-I/O core alone.
+"""Broker CPU per message of a QoS 0, 1 or 2 flow end to end, in process (no sockets): the sans-I/O core alone.
 
     .venv/bin/python bench/flow_cpu.py [--qos 2] [--messages 64000] [--in-flight 32] [--profile]
 
-One publisher and one subscriber, clean sessions, the memory store (as the ``qos1`` and ``qos2`` scenarios of
-``bench/run.py``). The publisher's PUBLISH packets go into ``Broker.receive`` ``--in-flight`` at a time, and both
-clients answer everything the broker wrote in one read each (PUBREL for each PUBREC; PUBACK, or PUBREC then PUBCOMP,
-for each delivery), until the flows of the batch are complete. The clients' own work (decoding what the broker wrote,
+One publisher and one subscriber, clean sessions, the memory store (as the ``fanin`` (one publisher), ``qos1``
+and ``qos2`` scenarios of ``bench/run.py``). The publisher's PUBLISH packets go into ``Broker.receive``
+``--in-flight`` at a time, and both clients answer everything the broker wrote in one read each (PUBREL for each
+PUBREC; PUBACK, or PUBREC then PUBCOMP, for each delivery; nothing for QoS 0), until the flows of the batch are
+complete. The clients' own work (decoding what the broker wrote,
 encoding their answers) is timed apart and left out. CPU time of the process (``time.process_time``), so the
 figure means the same on a loaded machine, give or take cache effects; run it pinned (``taskset -c 1``) and
-interleave runs of two trees (``PYTHONPATH=OTHER_TREE``) to compare code.
+interleave runs of two trees (``PYTHONPATH=OTHER_TREE``) to compare code. For a figure that does not move with
+the machine's load, count instructions instead: ``valgrind --tool=callgrind --callgrind-out-file=/dev/null`` over
+two ``--messages`` counts, the difference divided by the difference of messages (start-up cancels; clients
+included), as docs/benchmarks.md's "No regression" of 2026-11-27 does.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ def run(qos: int, messages: int, in_flight: int, profile: bool) -> float:
     broker.dirty.clear()
     sub_reader, pub_reader = PacketReader(), PacketReader()
     rounds = messages // in_flight
-    batches = [b"".join(Publish("t/a", b"x" * 64, qos, packet_id=(r * in_flight + i) % 65000 + 1).encode(4)
-                        for i in range(in_flight)) for r in range(rounds)]
+    batches = [b"".join(Publish("t/a", b"x" * 64, qos, packet_id=(r * in_flight + i) % 65000 + 1 if qos else None)
+                        .encode(4) for i in range(in_flight)) for r in range(rounds)]
     clients = 0.0
     profiler = cProfile.Profile() if profile else None
     start = time.process_time()
@@ -60,7 +64,7 @@ def run(qos: int, messages: int, in_flight: int, profile: bool) -> float:
             from_pub = b"".join(PubRel(p.packet_id).encode(4) for p in pub_reader.feed(to_pub) if isinstance(p, PubRec))
             answers = []
             for p in sub_reader.feed(to_sub):
-                if isinstance(p, Publish):
+                if isinstance(p, Publish) and qos:  # QoS 0: nothing to answer
                     answers.append((PubAck(p.packet_id) if qos == 1 else PubRec(p.packet_id)).encode(4))
                 elif isinstance(p, PubRel):
                     answers.append(PubComp(p.packet_id).encode(4))
@@ -86,7 +90,7 @@ def run(qos: int, messages: int, in_flight: int, profile: bool) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--qos", type=int, choices=(1, 2), default=2)
+    ap.add_argument("--qos", type=int, choices=(0, 1, 2), default=2)
     ap.add_argument("--messages", type=int, default=64_000)
     ap.add_argument("--in-flight", type=int, default=32)
     ap.add_argument("--profile", action="store_true", help="cProfile the broker (slows it down; clients included)")

@@ -154,3 +154,16 @@ def test_ws_fanin_counts_frame_payloads_however_the_stream_is_cut() -> None:
             counter.feed(stream[pos : pos + step])
             pos += step
         assert counter.payload == sum(sizes), cut
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+def test_flow_cpu_delivers_every_message_end_to_end(qos: int) -> None:
+    """bench/flow_cpu.py (broker CPU per message of a QoS 0, 1 or 2 flow, in process) completes every flow: the
+    script itself fails when fewer PUBLISHes went out to the subscriber than were published."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "flow_cpu.py"), "--qos", str(qos), "--messages", "640"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"QoS {qos} end to end: ") and line.endswith(" us of broker CPU per message (in process, "
+                                                                         "clients left out)"), line
+    assert float(line.split(": ")[1].split(" us")[0]) > 0
