@@ -291,10 +291,15 @@ class FakeUpstream:
     """A "half-open" cloud broker: accepts TCP, answers CONNECT with CONNACK (MQTT 5: Receive Maximum
     ``receive_maximum``) and PINGREQ with PINGRESP, records every PUBLISH per connection (with its arrival time)
     and never acknowledges one, until ``ack`` is set (then it sends PUBACK like a healthy broker). While ``refuse``
-    is set it closes every connection at once (a cloud that is down)."""
+    is set it closes every connection at once (a cloud that is down). ``max_packet_size`` (MQTT 5) is announced in
+    the CONNACK; ``sizes`` records the byte count of every PUBLISH as it came off the wire."""
 
-    def __init__(self, receive_maximum: int, ack: bool = False, refuse: bool = False) -> None:
+    def __init__(
+        self, receive_maximum: int, ack: bool = False, refuse: bool = False, max_packet_size: int = 0
+    ) -> None:
         self.receive_maximum = receive_maximum
+        self.max_packet_size = max_packet_size
+        self.sizes: list[int] = []
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -332,17 +337,23 @@ class FakeUpstream:
     def _serve(self, conn: socket.socket, index: int) -> None:
         reader = PacketReader(version=MQTT_5)
         version = MQTT_5
+        raw = bytearray()
         try:
             while True:
                 data = conn.recv(65536)
                 if not data:
                     return
+                raw += data
+                with self.lock:
+                    self.sizes += [size for first, size in _frames(raw) if first >> 4 == 3]
                 for packet in reader.feed(data):
                     if isinstance(packet, Connect):
                         version = packet.protocol_level
                         with self.lock:
                             self.client_ids[index] = packet.client_id
                         props = {P.RECEIVE_MAXIMUM: self.receive_maximum} if version == MQTT_5 else {}
+                        if self.max_packet_size and version == MQTT_5:
+                            props[P.MAXIMUM_PACKET_SIZE] = self.max_packet_size
                         conn.sendall(Connack(False, 0, props).encode(version))
                     elif isinstance(packet, PingReq):
                         conn.sendall(PingResp().encode(version))
@@ -381,6 +392,28 @@ class FakeUpstream:
         for t in self._threads:
             t.join(5)
         self._acceptor.join(5)
+
+
+def _frames(buf: bytearray) -> list[tuple[int, int]]:
+    """Take the whole packets off the front of ``buf``: (first byte, bytes of the whole packet) each, counted from
+    the fixed header's own Remaining Length (MQTT 5.0 §2.1.4), not by any decoder."""
+    out = []
+    while len(buf) >= 2:
+        remaining, shift, pos = 0, 0, 1
+        while pos < len(buf):
+            byte = buf[pos]
+            remaining |= (byte & 0x7F) << shift
+            shift += 7
+            pos += 1
+            if not byte & 0x80:
+                break
+        else:
+            return out
+        if buf[pos - 1] & 0x80 or len(buf) < pos + remaining:
+            return out
+        out.append((buf[0], pos + remaining))
+        del buf[: pos + remaining]
+    return out
 
 
 def msg_id_of(packet: Publish) -> str | None:

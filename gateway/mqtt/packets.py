@@ -18,6 +18,7 @@ from gateway.mqtt.primitives import (
     encode_binary,
     encode_string,
     encode_vbi,
+    vbi_size,
 )
 from gateway.mqtt.properties import NO_PROPERTIES, WILL, Properties, decode_properties, encode_properties
 from gateway.mqtt.reason_codes import ReasonCode
@@ -654,6 +655,22 @@ def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
     if ptype == SUBACK:
         return _decode_suback(body, version)
     return _decode_unsuback(body, version)
+
+
+def publish_size(topic_bytes: int, payload_bytes: int, qos: int, properties_bytes: int) -> int:
+    """Bytes of a whole PUBLISH packet, fixed header included, without encoding it: what a receiver compares with
+    its Maximum Packet Size (MQTT 5.0 §3.1.2.11.4, §3.2.2.3.6: "the total number of bytes in an MQTT Control
+    Packet").
+
+    Args:
+        topic_bytes: the Topic Name's UTF-8 bytes (0 when a Topic Alias replaces it).
+        payload_bytes: the payload's bytes.
+        qos: 0 (no Packet Identifier), 1 or 2.
+        properties_bytes: the encoded properties with their Property Length (``len(encode_properties(p))``; at
+            least 1 for MQTT 5.0), or 0 for MQTT 3.1 / 3.1.1.
+    """
+    remaining = 2 + topic_bytes + (2 if qos else 0) + properties_bytes + payload_bytes
+    return 1 + vbi_size(remaining) + remaining
 
 
 def encode_publish_parts(

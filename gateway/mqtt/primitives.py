@@ -40,6 +40,15 @@ def encode_vbi(value: int) -> bytes:
             return bytes(out)
 
 
+def vbi_size(value: int) -> int:
+    """Bytes :func:`encode_vbi` takes for ``value`` (1-4; MQTT 5.0 §1.5.5), without encoding it."""
+    if value < 128:
+        return 1
+    if value < 16_384:
+        return 2
+    return 3 if value < 2_097_152 else 4
+
+
 def decode_vbi(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     """Decode a Variable Byte Integer at ``pos``.
 

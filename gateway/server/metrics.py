@@ -344,6 +344,9 @@ def _link_families(links: list[dict[str, Any]]) -> Iterator[Metric]:
                    rows=per_link(lambda x: max(0, x["counters"].get("connects", 0) - 1)))
     yield _counter(p + "ack_timeouts_total", "Links torn down because nothing was acknowledged for ack_timeout.",
                    labels=label, rows=per_link(lambda x: x["counters"].get("ack_timeouts", 0)))
+    yield _counter(p + "retries_total", "PUBLISHes the upstream broker refused for now (PUBACK/PUBCOMP 0x97 Quota "
+                   "exceeded, 0x80 Unspecified error), each sent again after a pause.", labels=label,
+                   rows=per_link(lambda x: x["counters"].get("retries", 0)))
     rtt = SummaryMetricFamily(p + "round_trip_seconds", "Round trips: a QoS 1/2 PUBLISH sent to its PUBACK/PUBCOMP, "
                               "seconds.", labels=label)
     for link in links:

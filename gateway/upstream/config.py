@@ -28,6 +28,10 @@
     connect_timeout = "10s"
     backoff_initial = "1s"              # reconnect delay doubles from here (with jitter) ...
     backoff_max = "2m"                  # ... up to this
+    max_packet_size = 0                 # PUBLISH bytes the cloud takes (0: what its CONNACK says; MQTT 3.1.1: none)
+    max_retries = 3                     # re-sends of a message refused with 0x80 Unspecified error, then dropped
+    poison_closes = 3                   # closes by the cloud right after one message, in a row, that set it aside
+    poison_window = "10s"               # ... "right after": within this long of its send
 
     [[upstream.forward]]                # local topic filter -> remote topic template
     local = "sensors/#"
@@ -69,6 +73,17 @@ def suffix_of(topic_filter: str, topic: str) -> str:
         if level in ("+", "#"):
             return "/".join(topic.split("/")[i:])
     return ""
+
+
+def literal_prefix(topic_filter: str) -> str:
+    """The filter's levels before its first wildcard, joined (``sensors/+/x`` -> ``sensors``, ``#`` -> ``""``):
+    every topic the filter matches starts with it (MQTT 5.0 §4.7.1)."""
+    levels = []
+    for level in topic_filter.split("/"):
+        if level in ("+", "#"):
+            break
+        levels.append(level)
+    return "/".join(levels)
 
 
 @dataclass(slots=True)
@@ -127,6 +142,10 @@ class UpstreamConfig:
     connect_timeout: float = 10.0
     backoff_initial: float = 1.0
     backoff_max: float = 120.0
+    max_packet_size: int = 0
+    max_retries: int = 3
+    poison_closes: int = 3
+    poison_window: float = 10.0
 
 
 # key -> (kind, low, high, what is allowed)
@@ -142,6 +161,10 @@ _NUMERIC: dict[str, ValueSpec] = {
     "connect_timeout": ("duration", 0.05, 3600, 'a duration such as "10s"'),
     "backoff_initial": ("duration", 0.01, 86400, 'a duration such as "1s"'),
     "backoff_max": ("duration", 0.01, 86400, 'a duration such as "2m"'),
+    "max_packet_size": ("size", 0, 268_435_460, 'a size in bytes such as "128KB" (0 = what the cloud announces)'),
+    "max_retries": ("int", 0, 1000, "an integer 0..1000"),
+    "poison_closes": ("int", 0, 1000, "an integer 0..1000 (0 = never set a message aside)"),
+    "poison_window": ("duration", 0.05, 3600, 'a duration such as "10s"'),
 }
 _STRINGS = ("client_id", "username", "password", "gateway_id")
 _FILES = ("ca_file", "cert_file", "key_file")

@@ -38,7 +38,9 @@ from gateway.aiomqtt_client import Client as MqttClient
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.topics import topic_matches
 from gateway.upstream.config import UpstreamConfig, fill
-from gateway.upstream.outbox import SENDER_PREFIX, Entry, Outbox, PeerLimits, Send
+from gateway.upstream.entries import FORWARDED_PROPERTIES, Entry, PeerLimits, Send
+from gateway.upstream.outbox import SENDER_PREFIX, Outbox
+from gateway.upstream.verdicts import NOT_A_MESSAGE
 
 if TYPE_CHECKING:
     from gateway.broker.broker import Broker
@@ -49,6 +51,17 @@ __all__ = ["SENDER_PREFIX", "UpstreamLink"]
 log = logging.getLogger("gateway.upstream")
 
 CONNECTING, CONNECTED, BACKING_OFF, STOPPED = "connecting", "connected", "backing-off", "stopped"
+
+#: paho's attribute names of the message properties that cross the link both ways (``FORWARDED_PROPERTIES``, the
+#: Message Expiry Interval and User Properties).
+_PAHO_NAMES = {
+    P.PAYLOAD_FORMAT_INDICATOR: "PayloadFormatIndicator",
+    P.CONTENT_TYPE: "ContentType",
+    P.RESPONSE_TOPIC: "ResponseTopic",
+    P.CORRELATION_DATA: "CorrelationData",
+    P.MESSAGE_EXPIRY_INTERVAL: "MessageExpiryInterval",
+    P.USER_PROPERTY: "UserProperty",
+}
 
 #: A connection that lasted this long (seconds) resets the backoff to ``backoff_initial``.
 _STABLE_AFTER = 30.0
@@ -77,8 +90,10 @@ class _Connection:
     - a publish that does not wait (aiomqtt's ``publish`` awaits the acknowledgement and times out after
       ``timeout``, so a window of 32 would need 32 tasks, and a half-open peer would raise instead of being left
       to ``ack_timeout``): ``paho.Client.publish``, which returns the Packet Identifier;
-    - the reason code of each PUBACK/PUBCOMP (aiomqtt discards it; the ``rejected`` drop needs it), from paho's
-      ``on_publish`` callback;
+    - the reason code of each PUBACK/PUBCOMP (aiomqtt discards it; the ``rejected`` drop and "retry later" need
+      it), from paho's ``on_publish`` callback;
+    - the Reason Code of a DISCONNECT the cloud sends (whether a close may be a message's fault), from paho's
+      ``on_disconnect`` callback;
 
     and one behaviour: a peer that closes the connection before CONNACK fails the attempt at once (paho's
     ``on_disconnect``) instead of after ``connect_timeout`` (aiomqtt ignores a disconnect before CONNACK; without
@@ -94,6 +109,7 @@ class _Connection:
         self.paho: paho.Client = client._client  # see the class docstring
         self.connack_seen = False
         self.connack_properties: Any = None
+        self.disconnect_reason: int | None = None  # the Reason Code of a DISCONNECT the cloud sent, if it sent one
         self.closed_early: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._on_ack = on_ack
         self._aiomqtt_on_connect = self.paho.on_connect
@@ -112,6 +128,8 @@ class _Connection:
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any = None) -> None:
         if not self.connack_seen and not self.closed_early.done():
             self.closed_early.set_result(None)
+        if getattr(flags, "is_disconnect_packet_from_server", False):
+            self.disconnect_reason = int(getattr(reason_code, "value", 0) or 0)
         if self._aiomqtt_on_disconnect is not None:
             self._aiomqtt_on_disconnect(client, userdata, flags, reason_code, properties)
 
@@ -286,27 +304,12 @@ class UpstreamLink:
         self._wake = None
         self._schedule_pump()
 
-    def _properties(self, send: Send) -> Any:
-        """The MQTT 5 PUBLISH properties sent upstream: the publisher's (Payload Format Indicator, Content Type,
-        Response Topic, Correlation Data, User Properties), the remaining Message Expiry Interval, and ``msg_id``."""
+    @staticmethod
+    def _properties(send: Send) -> Any:
+        """:attr:`Send.properties` as paho's: exactly what the outbox sized."""
         props = PahoProperties(PacketTypes.PUBLISH)
-        src = send.entry.message.properties
-        users = list(src.get(P.USER_PROPERTY, ())) if src else []
-        if send.msg_id is not None:
-            users.append(("msg_id", send.msg_id))
-        if users:
-            props.UserProperty = users
-        if src:
-            if P.PAYLOAD_FORMAT_INDICATOR in src:
-                props.PayloadFormatIndicator = src[P.PAYLOAD_FORMAT_INDICATOR]
-            if P.CONTENT_TYPE in src:
-                props.ContentType = src[P.CONTENT_TYPE]
-            if P.RESPONSE_TOPIC in src:
-                props.ResponseTopic = src[P.RESPONSE_TOPIC]
-            if P.CORRELATION_DATA in src:
-                props.CorrelationData = src[P.CORRELATION_DATA]
-        if send.expiry is not None:
-            props.MessageExpiryInterval = send.expiry
+        for pid, value in send.properties.items():
+            setattr(props, _PAHO_NAMES[pid], value)
         return props
 
     def _on_ack(self, conn: _Connection, packet_id: int, reason_code: int) -> None:
@@ -446,13 +449,8 @@ class UpstreamLink:
         expires_at = None
         src = msg.properties
         if src is not None:
-            for attr, pid in (
-                ("PayloadFormatIndicator", P.PAYLOAD_FORMAT_INDICATOR),
-                ("ContentType", P.CONTENT_TYPE),
-                ("ResponseTopic", P.RESPONSE_TOPIC),
-                ("CorrelationData", P.CORRELATION_DATA),
-            ):
-                value = getattr(src, attr, None)
+            for pid in FORWARDED_PROPERTIES:
+                value = getattr(src, _PAHO_NAMES[pid], None)
                 if value is not None:
                     props[pid] = value
             users = getattr(src, "UserProperty", None)
@@ -483,11 +481,14 @@ class UpstreamLink:
             self._kill.set()
 
     def _disconnected(self, conn: _Connection) -> None:
-        """The connection is gone: :meth:`Outbox.link_down` (its late callbacks are ignored from here on)."""
+        """The connection is gone: :meth:`Outbox.link_down` (its late callbacks are ignored from here on), saying
+        whether the cloud closed it for a reason that may be a message's fault (not torn down by the gateway, and
+        no DISCONNECT Reason Code in :data:`~gateway.upstream.verdicts.NOT_A_MESSAGE`)."""
         if self._conn is not conn:
             return
         self._conn = None
-        self.outbox.link_down(_now())
+        by_cloud = not self._kill_reason and not self._stopping
+        self.outbox.link_down(_now(), by_cloud and conn.disconnect_reason not in NOT_A_MESSAGE)
 
     # ------------------------------------------------------------------------------------------ timers, $SYS
 
@@ -558,6 +559,7 @@ class UpstreamLink:
             "received/messages": str(self.received),
             "connects": str(counters["connects"]),
             "ack_timeouts": str(counters["ack_timeouts"]),
+            "retries": str(counters["retries"]),
             "dropped": str(sum(outbox.dropped.values())),
         }
         for reason, n in sorted(outbox.dropped.items()):

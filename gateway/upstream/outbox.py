@@ -14,13 +14,15 @@ Events (input), each a method:
   its CONNACK) or went.
 - :meth:`Outbox.sent` / :meth:`Outbox.send_failed`: the glue handed a :class:`Send` to the connection (with the
   Packet Identifier the client library gave it), or could not.
-- :meth:`Outbox.acked`: a PUBACK (QoS 1) or PUBCOMP (QoS 2) with its reason code.
+- :meth:`Outbox.acked`: a PUBACK (QoS 1) or PUBCOMP (QoS 2) with its reason code (a refusal is final or "retry
+  later": :mod:`gateway.upstream.verdicts`).
 - :meth:`Outbox.tick`: time passed (TTL, Message Expiry, the half-open check).
 
 Outputs:
 
-- :meth:`Outbox.next_send` returns the next :class:`Send` ("send this message at this QoS, retain flag and
-  ``msg_id``"), or None when nothing may go now; then :attr:`Outbox.wake_at` is when pacing allows the next one.
+- :meth:`Outbox.next_send` returns the next :class:`Send` ("send this PUBLISH: topic, payload, QoS, RETAIN,
+  properties, and its size in bytes"), or None when nothing may go now; then :attr:`Outbox.wake_at` is when
+  pacing or a "retry later" pause allows the next one.
 - :meth:`Outbox.tick` returns a :class:`TearDown` when the link looks half-open.
 - :meth:`Outbox.warning` returns the text of the drops to announce (at most once a second).
 - Store rows: the outbox writes them itself through the broker's store interface (:class:`OutboxStore`, the
@@ -39,13 +41,27 @@ as elapsed: at worst one needless reconnect and one second's burst of backlog).
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gateway.broker.store import OutboxRecord
 from gateway.mqtt.topics import topic_matches
+from gateway.upstream.config import literal_prefix
+from gateway.upstream.entries import (
+    BACKLOG,
+    DONE,
+    INFLIGHT,
+    LIVE,
+    QUEUED,
+    SENDING,
+    Entry,
+    OutboxStore,
+    PeerLimits,
+    Send,
+    TearDown,
+    publish_of,
+)
+from gateway.upstream.verdicts import RETRY_LATER, PoisonGuard
 
 if TYPE_CHECKING:
     from gateway.broker.message import Message
@@ -56,143 +72,13 @@ log = logging.getLogger("gateway.upstream")
 #: Message.sender of everything the downlink publishes locally: never forwarded back up (loops).
 SENDER_PREFIX = "$upstream/"
 
-#: Entry states: waiting in a lane; handed out by next_send, not yet sent; awaiting PUBACK/PUBCOMP; gone.
-QUEUED, SENDING, INFLIGHT, DONE = 0, 1, 2, 3
-#: Which lane a queued entry is in (0: none, e.g. taken).
-BACKLOG, LIVE = 1, 2
-
-#: Bytes added to payload + topic when comparing with the cloud's Maximum Packet Size (fixed header, Packet
-#: Identifier, properties with the msg_id; an estimate on the safe side for ordinary properties).
-PACKET_OVERHEAD = 64
-
-
-def _literal_prefix(topic_filter: str) -> str:
-    """The filter's levels before its first wildcard, joined (``sensors/+/x`` -> ``sensors``, ``#`` -> ``""``):
-    every topic the filter matches starts with it (MQTT 5.0 §4.7.1)."""
-    levels = []
-    for level in topic_filter.split("/"):
-        if level in ("+", "#"):
-            break
-        levels.append(level)
-    return "/".join(levels)
-
-
-class OutboxStore(Protocol):
-    """The part of the broker's ``SessionStore`` (gateway/broker/store.py) the outbox uses. Every method records a
-    change for the next commit; none waits for the disk."""
-
-    def outbox_seq(self) -> int:
-        """A new sequence number: increasing, never reused after a restart."""
-        ...
-
-    def outbox_saved(self, link: str, record: OutboxRecord) -> None:
-        """A row joined ``link``'s outbox."""
-        ...
-
-    def outbox_deleted(self, link: str, seq: int) -> None:
-        """A row left ``link``'s outbox."""
-        ...
-
-    def outbox_loaded(self, link: str) -> list[OutboxRecord]:
-        """The rows stored for ``link``, oldest first."""
-        ...
-
-
-@dataclass(slots=True, frozen=True)
-class PeerLimits:
-    """What the cloud broker's CONNACK announced (MQTT 5.0 §3.2.2.3; MQTT 3.1.1 announces none of them).
-
-    Attributes:
-        receive_maximum: QoS 1/2 PUBLISH packets it accepts unacknowledged [MQTT-3.3.4-7], or None (65535).
-        maximum_qos: the highest QoS it accepts (a higher one is sent at this QoS).
-        retain_available: False: the RETAIN flag is sent as 0.
-        maximum_packet_size: bytes, 0 = no limit; a message over it is dropped as ``packet_too_large``.
-    """
-
-    receive_maximum: int | None = None
-    maximum_qos: int = 2
-    retain_available: bool = True
-    maximum_packet_size: int = 0
-
-
-class Entry:
-    """One message on its way up: an outbox row, or a QoS 0 message kept in memory only."""
-
-    __slots__ = (
-        "durable",
-        "key",
-        "message",
-        "paced",
-        "packet_id",
-        "qos",
-        "sent_at",
-        "seq",
-        "size",
-        "state",
-        "topic",
-        "where",
-    )
-
-    def __init__(self, key: int, seq: int, message: Message, qos: int, topic: str, durable: bool) -> None:
-        self.key = key  # entries' dict key: the store sequence (durable) or a negative local counter
-        self.seq = seq  # store sequence: the msg_id; 0 for QoS 0 not stored (no msg_id)
-        self.message = message
-        self.qos = qos  # the QoS it is forwarded at (min(published QoS, rule QoS))
-        self.topic = topic  # remote topic
-        self.durable = durable
-        self.size = len(message.payload) + len(topic.encode("utf-8"))  # bytes counted against max_bytes
-        self.state = QUEUED
-        self.where = 0
-        self.paced = False  # backlog entries that wait for drain tokens
-        self.sent_at = 0.0  # elapsed seconds (the outbox's monotonic time) of the last send
-        self.packet_id = 0
-
-
-@dataclass(slots=True)
-class Send:
-    """Output: send one PUBLISH upstream, then report :meth:`Outbox.sent` (or :meth:`Outbox.send_failed`).
-
-    Attributes:
-        entry: the outbox entry (pass the Send back as is).
-        topic: the remote topic.
-        payload: bytes, as published locally.
-        qos: the QoS to send at (min(entry QoS, the cloud's Maximum QoS)).
-        retain: the RETAIN flag (False when the cloud has no Retain Available).
-        msg_id: the ``msg_id`` User Property, ``<gateway_id>:<store sequence>`` (MQTT 5 links, stored entries),
-            the same on every re-send; None otherwise (docs/message-format.md).
-        expiry: the remaining Message Expiry Interval in seconds (at least 1), or None (MQTT 5.0 §3.3.2.3.3).
-    """
-
-    entry: Entry
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    msg_id: str | None
-    expiry: int | None
-
-
-@dataclass(slots=True, frozen=True)
-class TearDown:
-    """Output of :meth:`Outbox.tick`: close the connection and reconnect.
-
-    Attributes:
-        reason: ``ack_timeout`` (connected, QoS 1/2 in flight, no acknowledgement for ``ack_timeout``).
-        silent_for: seconds without an acknowledgement.
-        inflight: messages in flight.
-    """
-
-    reason: str
-    silent_for: float
-    inflight: int
-
-
 class Outbox:
     """One link's outbox (see the module docstring for the events and outputs).
 
     Args:
         cfg: the link's configuration (forward rules, order, drain_rate / drain_bytes, max_inflight, bounds,
-            message_ttl, ack_timeout, store_qos0, protocol, gateway_id, name).
+            message_ttl, ack_timeout, store_qos0, protocol, gateway_id, name, max_packet_size, max_retries,
+            poison_closes / poison_window, backoff_initial / backoff_max for "retry later" pauses).
         store: the broker's store (only its ``outbox_*`` methods are used).
 
     Attributes:
@@ -200,15 +86,20 @@ class Outbox:
         bytes: payload + remote topic bytes of ``entries``.
         inflight: entries awaiting PUBACK/PUBCOMP, by Packet Identifier.
         up: the link is connected (between :meth:`link_up` and :meth:`link_down`).
-        window: QoS 1/2 messages allowed in flight: ``max_inflight``, lowered to the cloud's Receive Maximum.
+        window: QoS 1/2 messages allowed in flight: ``max_inflight``, lowered to the cloud's Receive Maximum (and
+            to 1 while :attr:`poison` has suspects).
+        max_packet: the Maximum Packet Size in force (bytes, 0 = none): the link's ``max_packet_size`` or the
+            cloud's announced one, the smaller.
+        poison: the :class:`~gateway.upstream.verdicts.PoisonGuard`.
         counters: ``forwarded`` (QoS 1/2 acknowledged, or sent at QoS 0 when the cloud's Maximum QoS is 0),
-            ``forwarded_qos0``, ``publish_sent`` (re-sends included), ``connects``, ``ack_timeouts``.
+            ``forwarded_qos0``, ``publish_sent`` (re-sends included), ``connects``, ``ack_timeouts``,
+            ``retries`` ("retry later" refusals, each followed by a pause).
         dropped: drops by reason (docs/upstream.md "Bounds and drops").
         last_ack_at: wall-clock seconds of the last PUBACK/PUBCOMP, or None.
         rtt_last, rtt_sum, rtt_count: the last round trip (send to PUBACK/PUBCOMP, seconds, None before the
             first), the sum of all (seconds) and their number.
-        wake_at: after :meth:`next_send` returned None because of pacing, the wall-clock time at which the drain
-            tokens allow the next message; else None.
+        wake_at: after :meth:`next_send` returned None because of pacing or a "retry later" pause, the wall-clock
+            time at which the next message may go; else None.
         warn_due: drops wait for :meth:`warning`.
     """
 
@@ -218,7 +109,7 @@ class Outbox:
         self.gateway_id = cfg.gateway_id
         # (literal prefix, rule): a topic that does not start with the filter's levels before its first wildcard
         # cannot match it, which a str.startswith tells faster than topic_matches (most topics match no rule)
-        self.rules = [(_literal_prefix(rule.local), rule) for rule in cfg.forward]
+        self.rules = [(literal_prefix(rule.local), rule) for rule in cfg.forward]
         self.store_qos0 = cfg.store_qos0
         self.live_first = cfg.order == "live_first"
         self.drain_rate = cfg.drain_rate  # messages per second, 0 = unpaced
@@ -228,7 +119,12 @@ class Outbox:
         self.max_bytes = cfg.max_bytes
         self.message_ttl = cfg.message_ttl  # seconds, 0 = never
         self.ack_timeout = cfg.ack_timeout  # seconds
-        self.with_msg_id = cfg.protocol == 5
+        self.with_msg_id = self.v5 = cfg.protocol == 5
+        self.max_packet_size = cfg.max_packet_size  # bytes, 0 = only what the cloud announces
+        self.max_retries = cfg.max_retries
+        self.backoff_initial = cfg.backoff_initial
+        self.backoff_max = cfg.backoff_max
+        self.poison = PoisonGuard(cfg.poison_closes, cfg.poison_window)
         self.entries: dict[int, Entry] = {}
         self.backlog: deque[Entry] = deque()
         self.live: deque[Entry] = deque()
@@ -240,7 +136,7 @@ class Outbox:
         self.window = cfg.max_inflight
         self.max_qos = 2
         self.retain_available = True
-        self.max_packet = 0
+        self.max_packet = cfg.max_packet_size
         self.counters: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
         self.last_ack_at: float | None = None
@@ -260,6 +156,8 @@ class Outbox:
         self._tokens = (0.0, 0.0)  # drain tokens: messages, bytes
         self._tokens_at = 0.0
         self._timed_out = False
+        self._paused_until = 0.0  # elapsed seconds: a "retry later" refusal holds every send until then
+        self._pause = 0.0  # the last pause's length (seconds): doubles per refusal, back to 0 on a success
 
     # ------------------------------------------------------------------------------------------ time
 
@@ -345,7 +243,8 @@ class Outbox:
             self.window = min(self.window, limits.receive_maximum)
         self.max_qos = limits.maximum_qos
         self.retain_available = limits.retain_available
-        self.max_packet = limits.maximum_packet_size
+        announced, own = limits.maximum_packet_size, self.max_packet_size
+        self.max_packet = min(announced, own) if announced and own else announced or own
         self.up = True
         self._timed_out = False
         self._last_ack_elapsed = elapsed
@@ -353,11 +252,32 @@ class Outbox:
         self._tokens_at = elapsed
         self.counters["connects"] += 1
 
-    def link_down(self, now: float) -> None:
+    def link_down(self, now: float, by_message: bool = False) -> None:
         """The connection is gone: everything unacknowledged goes back to the backlog in arrival order (sent again,
         paced, after the reconnect, with the same ``msg_id``); QoS 0 kept in memory only is dropped
-        (``qos0_link_down``)."""
-        self._advance(now)
+        (``qos0_link_down``).
+
+        ``by_message``: the cloud closed the connection without a reason that clears the messages in flight
+        (:data:`~gateway.upstream.verdicts.NOT_A_MESSAGE`); the :class:`~gateway.upstream.verdicts.PoisonGuard`
+        weighs the close, and a message it names is dropped as ``poison`` (logged with its topic and size).
+        """
+        elapsed = self._advance(now)
+        poison = None
+        if self.up:  # the glue may report one loss twice (a failed send, then the connection's end)
+            unacked = [(e.key, e.sent_at) for e in self.inflight.values() if e.state == INFLIGHT]
+            poison = self.poison.closed(unacked, elapsed, by_message)
+        if poison is not None:
+            entry = self.entries[poison]
+            log.warning(
+                "upstream %s: the cloud broker closed the connection right after %s (%d bytes, msg_id %s) "
+                "was sent alone, %d times in a row; setting it aside (dropped as poison)",
+                self.name,
+                entry.topic,
+                len(entry.message.payload),
+                f"{self.gateway_id}:{entry.seq}" if entry.seq else "none",
+                self.poison.closes,
+            )
+            self._drop(entry, "poison")
         self.up = False
         self.wake_at = None
         self.inflight.clear()
@@ -379,36 +299,42 @@ class Outbox:
 
     def next_send(self, now: float) -> Send | None:
         """The next message to send now, or None: the link is down, nothing waits, the window is full
-        (QoS 1/2; [MQTT-4.9.0-2]) or the drain is paced (then :attr:`wake_at` says until when).
+        (QoS 1/2; [MQTT-4.9.0-2]; one at a time while :attr:`poison` has suspects), the drain is paced or paused
+        after a "retry later" refusal (then :attr:`wake_at` says until when).
 
         ``order = "backlog_first"`` takes the backlog's head first, ``live_first`` the live lane's; a live entry
         for a topic that had backlog when it arrived waits in the backlog behind it (order per topic). Entries
-        past ``message_ttl`` or their Message Expiry, or over the cloud's Maximum Packet Size, are dropped on the
-        way. Each Send must be answered by :meth:`sent` or :meth:`send_failed` before the next call.
+        past ``message_ttl`` or their Message Expiry are dropped on the way, and so is a PUBLISH whose encoded size
+        (:attr:`Send.size`) is over :attr:`max_packet` (``packet_too_large``). Each Send must be answered by
+        :meth:`sent` or :meth:`send_failed` before the next call.
         """
         self.wake_at = None
         if not self.up:
             return None
+        if self._paused_until:
+            wait = self._paused_until - self._advance(now)
+            if wait > 0:
+                self.wake_at = now + wait
+                return None
+            self._paused_until = 0.0
         first, second = (self.live, self.backlog) if self.live_first else (self.backlog, self.live)
         while True:
             entry = self._take(first, now) or self._take(second, now)
             if entry is None:
                 return None
-            if self.max_packet and entry.size + PACKET_OVERHEAD > self.max_packet:
+            send = publish_of(entry, now, self.v5, self.gateway_id, self.max_qos, self.retain_available)
+            if self.max_packet and send.size > self.max_packet:
+                log.warning(
+                    "upstream %s: %s is %d bytes as a PUBLISH, over the Maximum Packet Size of %d; dropped",
+                    self.name,
+                    entry.topic,
+                    send.size,
+                    self.max_packet,
+                )
                 self._drop(entry, "packet_too_large")
                 continue
             entry.state = SENDING
-            message = entry.message
-            expires_at = message.expires_at
-            return Send(
-                entry,
-                entry.topic,
-                message.payload,
-                min(entry.qos, self.max_qos),
-                message.retain and self.retain_available,
-                f"{self.gateway_id}:{entry.seq}" if self.with_msg_id and entry.seq else None,
-                None if expires_at is None else max(1, math.ceil(expires_at - now)),
-            )
+            return send
 
     def sent(self, send: Send, packet_id: int, now: float) -> None:
         """The connection took ``send`` (``packet_id``: the Packet Identifier it was given; ignored at QoS 0). A
@@ -426,14 +352,19 @@ class Outbox:
 
     def send_failed(self, send: Send, now: float) -> None:
         """The connection refused ``send`` (its socket is gone): the link counts as down from here on (same as
-        :meth:`link_down`; the glue tears the connection down)."""
+        :meth:`link_down`, a close by the cloud; the glue tears the connection down)."""
         send.entry.state = QUEUED
-        self.link_down(now)
+        self.link_down(now, by_message=True)
 
     def acked(self, packet_id: int, reason_code: int, now: float) -> bool:
-        """A PUBACK (QoS 1) or PUBCOMP (QoS 2) for ``packet_id`` with ``reason_code``. Success (< 0x80) removes the
-        entry (``forwarded``); a failure code drops it as ``rejected`` (not retried: the cloud said no, e.g. 0x87
-        Not authorized). Returns False for a Packet Identifier not in flight (nothing changed)."""
+        """A PUBACK (QoS 1) or PUBCOMP (QoS 2) for ``packet_id`` with ``reason_code`` (MQTT 5.0 §3.4.2.1).
+
+        Success (< 0x80) removes the entry (``forwarded``). A "retry later" code
+        (:data:`~gateway.upstream.verdicts.RETRY_LATER`: 0x97 Quota exceeded, 0x80 Unspecified error) puts it back
+        at the head of the backlog and pauses every send for a backoff (``backoff_initial``, doubling up to
+        ``backoff_max``, back to the start after a success); 0x80 at most ``max_retries`` times, then it is
+        ``rejected``. Any other failure code drops it as ``rejected`` (final: the cloud said no, e.g. 0x87 Not
+        authorized). Returns False for a Packet Identifier not in flight (nothing changed)."""
         entry = self.inflight.pop(packet_id, None)
         if entry is None or entry.state != INFLIGHT:
             return False
@@ -442,7 +373,9 @@ class Outbox:
         rtt = self.rtt_last = max(0.0, elapsed - entry.sent_at)
         self.rtt_sum += rtt
         self.rtt_count += 1
-        if reason_code >= 0x80:
+        if reason_code in RETRY_LATER and not (RETRY_LATER[reason_code] and entry.retries >= self.max_retries):
+            self._retry_later(entry, reason_code, elapsed)
+        elif reason_code >= 0x80:
             log.warning(
                 "upstream %s: %s refused by the cloud broker (reason 0x%02X); dropped",
                 self.name,
@@ -452,8 +385,33 @@ class Outbox:
             self._drop(entry, "rejected")
         else:
             self.counters["forwarded"] += 1
+            self._pause = 0.0
             self._remove(entry)
         return True
+
+    def _retry_later(self, entry: Entry, reason_code: int, elapsed: float) -> None:
+        """``entry`` was refused for now: back into the backlog in arrival order, and every send paused."""
+        entry.retries += 1
+        self.counters["retries"] += 1
+        pause = self._pause = min(self.backoff_max, self._pause * 2 if self._pause else self.backoff_initial)
+        self._paused_until = max(self._paused_until, elapsed + pause)
+        log.warning(
+            "upstream %s: %s refused for now by the cloud broker (reason 0x%02X, %d time%s); pausing the outbox "
+            "for %.1f s",
+            self.name,
+            entry.topic,
+            reason_code,
+            entry.retries,
+            "" if entry.retries == 1 else "s",
+            pause,
+        )
+        entry.state = QUEUED
+        entry.where = BACKLOG
+        entry.paced = False
+        backlog = self.backlog  # arrival order: before the first younger entry still waiting
+        at = next((i for i, e in enumerate(backlog) if e.key > entry.key and e.state == QUEUED), len(backlog))
+        backlog.insert(at, entry)
+        self.backlog_topics[entry.topic] += 1
 
     def tick(self, now: float) -> TearDown | None:
         """Time passed: drop what outlived ``message_ttl`` or its Message Expiry; return a :class:`TearDown` once
@@ -510,7 +468,7 @@ class Outbox:
                 queue.popleft()
                 self._drop(entry, reason)
                 continue
-            if entry.qos and len(self.inflight) >= self.window:
+            if entry.qos and len(self.inflight) >= (1 if self.poison.suspects else self.window):
                 return None
             if entry.paced and not self._take_tokens(entry.size, now):
                 return None
@@ -549,6 +507,7 @@ class Outbox:
         if entry.state == QUEUED and entry.where == BACKLOG:
             self._backlog_left(entry)
         entry.state = DONE
+        self.poison.left(entry.key)
         if self.entries.pop(entry.key, None) is not None:
             self.bytes -= entry.size
             if entry.durable:
