@@ -13,6 +13,7 @@ import pytest
 from helpers import BrokerProcess, RawClient
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from test_metrics import metrics_port, scrape, value
 from upstream_peers import CloudSubscriber, FakeUpstream, LocalClient, Mosquitto, SysWatcher, wait_until
 
 from gateway.mqtt.packets import PubAck, Publish, Suback, Subscribe, Subscription
@@ -49,6 +50,8 @@ gateway_id = "{gateway_id}"
 [listeners.external]
 bind = "127.0.0.1:0"
 max_packet_size = "1MB"
+[metrics]
+bind = "127.0.0.1:0"
 {links}"""
 
 
@@ -211,6 +214,8 @@ def test_poison_message_set_aside_bystanders_arrive_link_settles_kill_9_in_the_l
         assert not sub.on(f"blind/sensors/{uid}/big") and not sub.on(f"sized/sensors/{uid}/big")
         assert f"right after blind/sensors/{uid}/big (131100 bytes" in restarted.log()
         assert "due to oversize packet" in cloud.log()
+        metrics = scrape(metrics_port(restarted))
+        assert value(metrics, "edge_gateway_upstream_messages_dropped_total", upstream="blind", reason="poison") == 1
     finally:
         for c in (pub, *watches.values(), sub):
             c.close()
@@ -278,6 +283,7 @@ max_mqueue_bytes = 0
             reader.payloads(f"fleet/sensors/{uid}"), watch.values)
         assert watch.wait("backlog/messages", "0") and watch.get("dropped") == "0"
         assert "refused for now by the cloud broker (reason 0x97" in restarted.log()
+        assert value(scrape(metrics_port(restarted)), "edge_gateway_upstream_retries_total", upstream="cloud") >= 1
     finally:
         for c in (pub, watch, reader, hog):
             c.close()
