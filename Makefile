@@ -13,9 +13,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
+# pysparkplug: the Sparkplug B host application of the tests (an implementation other than the bridge's); its
+# metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
 	$(BIN)/pip install -q --no-deps 'bokeh-sampledata==2026.1'
+	$(BIN)/pip install -q --no-deps 'pysparkplug==0.6.1'
 	touch $@
 
 venv: $(VENV)/.installed
