@@ -13,9 +13,12 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
+# pysparkplug: the Sparkplug B host application of the tests (an implementation other than the bridge's); its
+# metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
 	$(BIN)/pip install -q --no-deps 'bokeh-sampledata==2026.1'
+	$(BIN)/pip install -q --no-deps 'pysparkplug==0.6.1'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -38,8 +41,9 @@ deps:
 
 # broker + a simulated sensor board on a pty + firmware-bridge, printing the readings as they arrive; Ctrl-C stops all
 # demo/cloud.py adds a stand-in cloud broker on 127.0.0.1:1884 and the gateway's upstream link to it ([cloud], [link])
+# SPARKPLUG=1: firmware-bridge is also a Sparkplug B Edge Node (spBv1.0/plant-demo/..., decoded on the screen)
 demo: venv
-	$(BIN)/python demo/cloud.py -- $(BIN)/python firmware-bridge/demo.py
+	$(BIN)/python demo/cloud.py -- $(BIN)/python firmware-bridge/demo.py $(if $(SPARKPLUG),--sparkplug)
 
 # ruff's lint rules ([tool.ruff] in pyproject.toml) and the architecture contracts (import-linter: layers, the sans-I/O
 # core, no cycles). Formatting is not checked: the code is wrapped by hand at 120 columns, which `ruff format` would

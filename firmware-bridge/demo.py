@@ -9,6 +9,9 @@ Runs, all on 127.0.0.1:
   firmware-bridge run --config firmware-bridge/demo.toml
 and prints what a subscriber to sensors/gw-demo/# and bridge/gw-demo/events receives. Ctrl-C stops everything
 (the bridge first, so what it holds reaches the broker, then the boards, then the broker).
+
+``--sparkplug`` (``make demo SPARKPLUG=1``) runs the bridge with a ``[sparkplug]`` table added to demo.toml (Group
+``plant-demo``, Edge Node ``gw-demo``) and prints the Sparkplug B messages on spBv1.0/plant-demo/# decoded as well.
 """
 
 from __future__ import annotations
@@ -59,7 +62,29 @@ def _wait_port(port: int, timeout: float) -> bool:
     return False
 
 
+SPARKPLUG_TABLE = """
+[sparkplug]                       # added by demo.py --sparkplug
+group_id = "plant-demo"
+[[sparkplug.commands]]
+device = "buoy-b01"
+metric = "interval_s"
+command = "set_interval"
+arg = "seconds"
+"""
+
+
 def _on_message(client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+    if msg.topic.startswith("spBv1.0/"):
+        from firmware_bridge.sparkplug_payload import decode
+
+        try:
+            payload = decode(msg.payload)
+        except ValueError:
+            _say(f"{msg.topic}  {msg.payload!r}")
+            return
+        metrics = "  ".join(f"{m.name or '#' + str(m.alias)}={m.value}" for m in payload.metrics)
+        _say(f"{msg.topic}  seq {payload.seq}  {metrics}")
+        return
     try:
         data = json.loads(msg.payload)
     except ValueError:
@@ -79,6 +104,11 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main() -> int:
     (ROOT / "var" / "demo").mkdir(parents=True, exist_ok=True)
+    config = "firmware-bridge/demo.toml"
+    sparkplug = "--sparkplug" in sys.argv[1:]
+    if sparkplug:
+        config = "var/demo/bridge-sparkplug.toml"
+        (ROOT / config).write_text((ROOT / "firmware-bridge/demo.toml").read_text() + SPARKPLUG_TABLE)
     procs: list[tuple[str, subprocess.Popen[str]]] = []
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
     signal.signal(signal.SIGTERM, _interrupt)
@@ -128,12 +158,11 @@ def main() -> int:
         sub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         sub.on_message = _on_message
         sub.connect("127.0.0.1", 1883)
-        sub.subscribe([("sensors/gw-demo/#", 1), ("bridge/gw-demo/events", 1)])
+        topics = [("sensors/gw-demo/#", 1), ("bridge/gw-demo/events", 1)]
+        sub.subscribe([*topics, ("spBv1.0/plant-demo/#", 0)] if sparkplug else topics)
         sub.loop_start()
-        print("starting firmware-bridge (firmware-bridge/demo.toml) ...  Ctrl-C stops everything\n", flush=True)
-        procs.append(
-            ("bridge", _spawn("bridge", [str(BIN / "firmware-bridge"), "run", "--config", "firmware-bridge/demo.toml"]))
-        )
+        print(f"starting firmware-bridge ({config}) ...  Ctrl-C stops everything\n", flush=True)
+        procs.append(("bridge", _spawn("bridge", [str(BIN / "firmware-bridge"), "run", "--config", config])))
         while all(p.poll() is None for _, p in procs):
             time.sleep(0.2)
         for name, p in procs:

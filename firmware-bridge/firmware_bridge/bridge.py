@@ -22,9 +22,10 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiomqtt
 import sdnotify
@@ -46,6 +47,9 @@ from firmware_bridge.frames import (
 from firmware_bridge.modbus_bus import ModbusBus, Write
 from firmware_bridge.publisher import Outgoing, Publisher
 from firmware_bridge.serial_io import SerialLink
+
+if TYPE_CHECKING:
+    from firmware_bridge.sparkplug_link import SparkplugLink
 
 log = logging.getLogger("firmware_bridge")
 ENVELOPE_VERSION = 1
@@ -80,12 +84,16 @@ class PortStats:
     suppressed: Counter[str] = field(default_factory=Counter)
 
 
+Answer = Callable[[int | None, dict[str, Any]], None]  # (the command's id on the line or None, the reply body)
+
+
 @dataclass(slots=True)
 class PendingCommand:
     device: str
     command: str
     reply_topic: str
     correlation: bytes | None
+    answer: Answer | None = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -120,6 +128,11 @@ class Bridge:
         self.commands = Counter[str]()
         self._cmd_ids = itertools.count(1)
         self._stats_dirty = True
+        self.sparkplug: SparkplugLink | None = None
+        if cfg.sparkplug is not None:
+            from firmware_bridge.sparkplug_link import SparkplugLink
+
+            self.sparkplug = SparkplugLink(cfg, self.run_command)
         self._notifier = sdnotify.SystemdNotifier()
         self._ready = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -151,6 +164,7 @@ class Bridge:
         for device in self.device_link:
             await self.publisher.subscribe(self.topic_cmd_filter(device))
         pub_task = asyncio.ensure_future(self.publisher.run())
+        spb_task = asyncio.ensure_future(self.sparkplug.publisher.run()) if self.sparkplug is not None else None
         link_tasks = [asyncio.ensure_future(link.run()) for link in self.links]
         stats_task = asyncio.ensure_future(self._stats_loop())
         watchdog_task = asyncio.ensure_future(self._watchdog_loop())
@@ -170,6 +184,9 @@ class Bridge:
         await asyncio.gather(stats_task, watchdog_task, return_exceptions=True)
         self._write_stats_file()
         self.publisher.stop(drain=2.0)
+        if self.sparkplug is not None and spb_task is not None:
+            self.sparkplug.stop()
+            await asyncio.gather(spb_task, return_exceptions=True)
         await asyncio.gather(pub_task, return_exceptions=True)
         for task in list(self._tasks):
             task.cancel()
@@ -215,6 +232,8 @@ class Bridge:
         payload["gateway_time"] = self._now()
         self.publisher.enqueue(Outgoing(self.topic_events, _json(payload), qos=1))
         self._stats_dirty = True
+        if state != "open" and self.sparkplug is not None:
+            self.sparkplug.port_closed(link.cfg.path)
 
     def _on_event(self, link: SerialLink, event: Event) -> None:
         stats = self.port_stats[link.cfg.path]
@@ -381,6 +400,8 @@ class Bridge:
     def _on_modbus_event(self, kind: str, device: str, fields: dict[str, Any]) -> None:
         self._stats_dirty = True
         self._event(kind, device, **fields)
+        if kind == "device_offline" and self.sparkplug is not None:
+            self.sparkplug.device_offline(device)
 
     def _publish_reading(
         self,
@@ -395,6 +416,8 @@ class Bridge:
         dropped = self.publisher.enqueue(
             Outgoing(self.topic_reading(device), self._envelope(device, boot, seq, sensor_time, values, text), port.qos)
         )
+        if self.sparkplug is not None:
+            self.sparkplug.reading(device, port.path, values, text)
         if dropped is not None:
             total = sum(self.publisher.buffer.dropped.values())
             if total == 1 or total % 100 == 0:
@@ -417,19 +440,15 @@ class Bridge:
         response_topic = getattr(props, "ResponseTopic", None)
         if not response_topic or "+" in response_topic or "#" in response_topic or "\0" in response_topic:
             response_topic = f"cmd/{self.gw}/{device}/reply"
-        correlation = getattr(props, "CorrelationData", None)
+        pending = PendingCommand(device, name, response_topic, getattr(props, "CorrelationData", None))
+
+        def answer(cmd_id: int | None, body: dict[str, Any]) -> None:
+            self._reply(pending, cmd_id, body)
+
         self.commands["received"] += 1
         self._stats_dirty = True
         if not COMMAND_RE.match(name):
-            self._command_error(
-                device,
-                name,
-                None,
-                response_topic,
-                correlation,
-                "bad_request",
-                f"command names match {COMMAND_RE.pattern}",
-            )
+            self._refuse_command(device, name, answer, "bad_request", f"command names match {COMMAND_RE.pattern}")
             return
         raw = message.payload
         if isinstance(raw, str):
@@ -441,63 +460,51 @@ class Bridge:
             except ValueError:
                 args = None
             if not isinstance(args, dict) or len(_json(args)) > MAX_ARGS_BYTES:
-                self._command_error(
+                self._refuse_command(
                     device,
                     name,
-                    None,
-                    response_topic,
-                    correlation,
+                    answer,
                     "bad_request",
                     f"the payload must be empty or a JSON object of at most {MAX_ARGS_BYTES} bytes",
                 )
                 return
+        self.run_command(device, name, args, answer)
+
+    def run_command(self, device: str, name: str, args: dict[str, Any], answer: Answer) -> None:
+        """Carry out command ``name`` with ``args`` on ``device``: a line to its board (the reply or a timeout
+        answers), or a Modbus ``write``. ``answer(cmd_id, body)`` is called exactly once, ``body`` as in the reply
+        envelope (``ok``, ``data``, ``error``, ``detail``). Both MQTT commands and Sparkplug DCMDs come here."""
         link = self.device_link.get(device)
         if isinstance(link, ModbusBus):
-            self._modbus_command(link, device, name, args, response_topic, correlation)
+            self._modbus_command(link, device, name, args, answer)
             return
         if link is None or not link.is_open:
-            self._command_error(
-                device, name, None, response_topic, correlation, "device_offline", "no open port for this device"
-            )
+            self._refuse_command(device, name, answer, "device_offline", "no open port for this device")
             return
         cmd_id = next(self._cmd_ids)
         line = command_frame(device, name, cmd_id, args)
         if len(line) - 1 > link.cfg.max_line:
-            self._command_error(
-                device,
-                name,
-                cmd_id,
-                response_topic,
-                correlation,
-                "bad_request",
-                "the command line would be longer than the port's max_line",
+            self._refuse_command(
+                device, name, answer, "bad_request", "the command line would be longer than the port's max_line", cmd_id
             )
             return
         if not link.write(line):
-            self._command_error(device, name, cmd_id, response_topic, correlation, "device_offline", "the port closed")
+            self._refuse_command(device, name, answer, "device_offline", "the port closed", cmd_id)
             return
         self.commands["sent"] += 1
-        pending = PendingCommand(device, name, response_topic, correlation)
+        pending = PendingCommand(device, name, "", None, answer)
         pending.timer = asyncio.get_running_loop().call_later(
             self.cfg.command_timeout, self._command_timeout, device, cmd_id
         )
         self.pending[(device, cmd_id)] = pending
         log.info("command %s #%d -> %s (%s)", name, cmd_id, device, link.cfg.path)
 
-    def _modbus_command(
-        self,
-        bus: ModbusBus,
-        device: str,
-        name: str,
-        args: dict[str, Any],
-        reply_topic: str,
-        correlation: bytes | None,
-    ) -> None:
+    def _modbus_command(self, bus: ModbusBus, device: str, name: str, args: dict[str, Any], answer: Answer) -> None:
         """``write`` to a Modbus device: ``{"name": ..., "value": ...}`` or ``{"function": ..., "address": ...,
         "value": ...}`` (raw: a coil state or the register words); only ``writable = true`` registers."""
 
         def refuse(error: str, detail: str) -> None:
-            self._command_error(device, name, None, reply_topic, correlation, error, detail)
+            self._refuse_command(device, name, answer, error, detail)
 
         if name != "write":
             refuse("unknown_command", "Modbus devices take the command 'write' only")
@@ -546,12 +553,12 @@ class Bridge:
             refuse("bad_value", f"{reg.name} ({reg.type}): {exc}")
             return
         cmd_id = next(self._cmd_ids)
-        pending = PendingCommand(device, name, reply_topic, correlation)
         self.commands["sent"] += 1
 
         def done(body: dict[str, Any]) -> None:
             self.commands["replied" if body.get("ok") else str(body.get("error"))] += 1
-            self._reply(pending, cmd_id, body)
+            self._stats_dirty = True
+            answer(cmd_id, body)
 
         log.info("command write #%d -> %s: %s = %r", cmd_id, device, reg.name, value)
         bus.submit(Write(dev, reg, raw, done))
@@ -569,34 +576,23 @@ class Bridge:
         self.publisher.enqueue(Outgoing(pending.reply_topic, _json(payload), qos=1, correlation=pending.correlation))
         self._stats_dirty = True
 
-    def _command_error(
-        self,
-        device: str,
-        name: str,
-        cmd_id: int | None,
-        reply_topic: str,
-        correlation: bytes | None,
-        error: str,
-        detail: str,
+    def _refuse_command(
+        self, device: str, name: str, answer: Answer, error: str, detail: str, cmd_id: int | None = None
     ) -> None:
         self.commands[error] += 1
         log.info("command %s for %s refused: %s (%s)", name, device, error, detail)
-        self._reply(
-            PendingCommand(device, name, reply_topic, correlation),
-            cmd_id,
-            {"ok": False, "error": error, "detail": detail},
-        )
+        answer(cmd_id, {"ok": False, "error": error, "detail": detail})
 
     def _command_timeout(self, device: str, cmd_id: int) -> None:
         pending = self.pending.pop((device, cmd_id), None)
-        if pending is None:
+        if pending is None or pending.answer is None:
             return
         self.commands["timeout"] += 1
+        self._stats_dirty = True
         log.warning(
             "command %s #%d to %s: no reply within %gs", pending.command, cmd_id, device, self.cfg.command_timeout
         )
-        self._reply(
-            pending,
+        pending.answer(
             cmd_id,
             {
                 "ok": False,
@@ -607,7 +603,7 @@ class Bridge:
 
     def _on_reply(self, link: SerialLink, reply: Reply) -> None:
         pending = self.pending.pop((reply.device, reply.id), None)
-        if pending is None:
+        if pending is None or pending.answer is None:
             self._reject(
                 link, Rejected("unexpected_reply", f"reply to unknown command #{reply.id} from {reply.device!r}", b"")
             )
@@ -620,7 +616,7 @@ class Bridge:
             body["data"] = reply.data
         if reply.error is not None:
             body["error"] = reply.error
-        self._reply(pending, reply.id, body)
+        pending.answer(reply.id, body)
 
     # -- stats ---------------------------------------------------------------------------------------------------
 
@@ -660,6 +656,7 @@ class Bridge:
                 name: st for bus in self.links if isinstance(bus, ModbusBus) for name, st in bus.device_stats().items()
             },
             "commands": dict(sorted(self.commands.items())),
+            **({"sparkplug": self.sparkplug.stats()} if self.sparkplug is not None else {}),
         }
 
     def _port_stats(self, link: SerialLink | ModbusBus) -> dict[str, Any]:
@@ -695,7 +692,10 @@ class Bridge:
         while True:
             await asyncio.sleep(self.cfg.stats_interval)
             pub = self.publisher
-            mqtt_state = (pub.connected.is_set(), pub.connects, pub.published, len(pub.buffer))
+            mqtt_state: tuple[Any, ...] = (pub.connected.is_set(), pub.connects, pub.published, len(pub.buffer))
+            if self.sparkplug is not None:
+                spb = self.sparkplug.publisher
+                mqtt_state += (spb.connected.is_set(), spb.published, len(spb.buffer))
             if mqtt_state != last_mqtt:
                 last_mqtt = mqtt_state
                 self._stats_dirty = True

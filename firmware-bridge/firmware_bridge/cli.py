@@ -41,6 +41,10 @@ Config file (TOML):
   [metrics]                         # Prometheus /metrics (off when absent): frames, ports, buffer, devices
   bind = "127.0.0.1:9884"
 
+  [sparkplug]                       # also a Sparkplug B Edge Node (off when absent; README "Sparkplug B")
+  group_id = "plant-1"              # spBv1.0/plant-1/NBIRTH/<gateway_id>, .../DDATA/<gateway_id>/<device>
+  primary_host_id = ""              # wait for spBv1.0/STATE/<id> online before the births
+
   [[ports]]
   path = "/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"
   baudrate = 115200

@@ -22,6 +22,20 @@
     [metrics]                         # Prometheus /metrics (firmware_bridge/metrics.py); off when absent
     bind = "127.0.0.1:9884"
 
+    [sparkplug]                       # also a Sparkplug B Edge Node (firmware_bridge/sparkplug.py); off when absent
+    group_id = "plant-1"              # spBv1.0/<group_id>/<message_type>/<edge_node_id>[/<device>]; required
+    edge_node_id = ""                 # default: bridge.gateway_id
+    devices = []                      # device ids or port paths that are Sparkplug Devices; [] = every device
+    primary_host_id = ""              # wait for spBv1.0/STATE/<primary_host_id> online before the births; "" = none
+    qos = 1                           # NBIRTH/DBIRTH/DDATA/DDEATH QoS: 1 (acknowledged, stored and forwarded) or 0
+    client_id = ""                    # default: firmware-bridge-<gateway_id>-sparkplug (its own clean session)
+    [[sparkplug.commands]]            # a board command as a writable metric: a DCMD on it sends the command
+    device = "buoy-b01"
+    metric = "interval_s"             # the metric name in the device's DBIRTH
+    command = "set_interval"          # the command written to the board (PROTOCOL.md, "Commands and replies")
+    arg = "seconds"                   # the DCMD's value goes in this argument (a Double metric); without arg the
+                                      # metric is a Boolean and true sends the command with no arguments
+
     [[ports]]
     path = "/dev/serial/by-id/usb-FTDI_FT232R_USB_UART_A50285BI-if00-port0"
     baudrate = 115200
@@ -58,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from firmware_bridge import modbus
-from firmware_bridge.frames import DEFAULT_MAX_LINE, DEVICE_RE, NMEA_MAX_LINE, QUANTITY_RE
+from firmware_bridge.frames import COMMAND_RE, DEFAULT_MAX_LINE, DEVICE_RE, NMEA_MAX_LINE, QUANTITY_RE
 from gateway.values import address_allowed, check_value, is_unix_path, parse_address
 
 DEFAULT_CONFIG = "/etc/firmware-bridge/bridge.toml"
@@ -115,6 +129,34 @@ class MqttConfig:
         return address.host, address.port
 
 
+@dataclass(frozen=True, slots=True)
+class SparkplugCommand:
+    """``[[sparkplug.commands]]``: the writable metric ``metric`` of serial device ``device`` sends ``command``
+    (with the written value as argument ``arg``, or with no arguments when ``arg`` is None)."""
+
+    device: str
+    metric: str
+    command: str
+    arg: str | None = None
+
+
+@dataclass(slots=True)
+class SparkplugConfig:
+    """``[sparkplug]``: the Edge Node's identity, its Devices and its Primary Host Application."""
+
+    group_id: str = ""
+    edge_node_id: str = ""  # "" until loaded: then the gateway id unless given
+    devices: list[str] = field(default_factory=list)  # device ids or port paths; empty = every device
+    primary_host_id: str | None = None
+    qos: int = 1
+    client_id: str = ""
+    commands: list[SparkplugCommand] = field(default_factory=list)
+
+    def selects(self, device: str, port: str) -> bool:
+        """Whether ``device`` (on the port with path ``port``) is a Sparkplug Device."""
+        return not self.devices or device in self.devices or port in self.devices
+
+
 @dataclass(slots=True)
 class BridgeConfig:
     gateway_id: str = "gw-0001"
@@ -126,6 +168,7 @@ class BridgeConfig:
     ports: list[PortConfig] = field(default_factory=list)
     source: str = "<defaults>"
     metrics_bind: str | None = None  # [metrics] bind: "host:port" of the Prometheus endpoint; None = off
+    sparkplug: SparkplugConfig | None = None  # [sparkplug]: None = the envelope only
 
 
 class _Checker:
@@ -414,6 +457,80 @@ def _metrics_bind(c: _Checker, table: Any) -> str | None:
     return bind
 
 
+# Sparkplug 3.0 [tck-id-topic-structure-namespace-valid-group-id] (and -edge-node-id, -device-id): UTF-8 without
+# the reserved characters + / #
+SPARKPLUG_ID_RE = re.compile(r"^[^+/#\x00-\x1f]{1,64}$")
+SPARKPLUG_ID_ALLOWED = "1..64 characters without +, /, # or control characters (Sparkplug 3.0, section 4.1.1)"
+_SPARKPLUG_KEYS = {"group_id", "edge_node_id", "devices", "primary_host_id", "qos", "client_id", "commands"}
+_SPARKPLUG_COMMAND_KEYS = {"device", "metric", "command", "arg"}
+
+
+def _sparkplug(c: _Checker, table: Any, cfg: BridgeConfig) -> SparkplugConfig | None:
+    """``[sparkplug]``, or None when the table is absent."""
+    if table is None:
+        return None
+    t = c.table("sparkplug", table, _SPARKPLUG_KEYS)
+    spb = SparkplugConfig()
+
+    def ident(key: str, value: Any) -> str | None:
+        if not isinstance(value, str) or not SPARKPLUG_ID_RE.match(value):
+            c.errors.append(f"sparkplug.{key} = {value!r}: must be {SPARKPLUG_ID_ALLOWED}")
+            return None
+        return value
+
+    if "group_id" not in t:
+        c.errors.append(f"sparkplug.group_id: required ({SPARKPLUG_ID_ALLOWED}), e.g. \"plant-1\"")
+    else:
+        spb.group_id = ident("group_id", t["group_id"]) or ""
+    if t.get("edge_node_id", "") != "":
+        spb.edge_node_id = ident("edge_node_id", t["edge_node_id"]) or ""
+    if t.get("primary_host_id", "") != "":
+        spb.primary_host_id = ident("primary_host_id", t["primary_host_id"])
+    if "qos" in t:
+        qos = c.int_("sparkplug.qos", t["qos"], 0, 1)
+        spb.qos = spb.qos if qos is None else qos
+    if "client_id" in t:
+        spb.client_id = c.str_("sparkplug.client_id", t["client_id"], empty_ok=True) or ""
+    devices = t.get("devices", [])
+    if not isinstance(devices, list) or not all(isinstance(d, str) and d for d in devices):
+        c.errors.append(f"sparkplug.devices = {devices!r}: must be an array of device ids or port paths")
+        devices = []
+    spb.devices = list(devices)
+    commands = t.get("commands", [])
+    if not isinstance(commands, list):
+        c.errors.append("sparkplug.commands must be an array of tables ([[sparkplug.commands]])")
+        commands = []
+    for i, raw in enumerate(commands):
+        where = f"sparkplug.commands[{i}]"
+        ct = c.table(where, raw, _SPARKPLUG_COMMAND_KEYS)
+        device = c.str_(f"{where}.device", ct.get("device"), DEVICE_RE)
+        metric = ident(f"commands[{i}].metric", ct.get("metric"))
+        command = c.str_(f"{where}.command", ct.get("command"), COMMAND_RE)
+        arg = c.str_(f"{where}.arg", ct["arg"], QUANTITY_RE) if "arg" in ct else None
+        if device is not None and metric is not None and command is not None:
+            spb.commands.append(SparkplugCommand(device, metric, command, arg))
+    return spb
+
+
+def _check_sparkplug_devices(c: _Checker, cfg: BridgeConfig) -> None:
+    """Names in ``sparkplug.devices`` and ``sparkplug.commands`` must be configured ports or devices, and a board
+    command must be for a serial (not Modbus) device."""
+    spb = cfg.sparkplug
+    if spb is None:
+        return
+    modbus_devices = {d.name for p in cfg.ports if p.modbus for d in p.modbus.devices}
+    known = {p.path for p in cfg.ports} | {p.device for p in cfg.ports if p.device} | modbus_devices
+    for name in spb.devices:
+        if name not in known and DEVICE_RE.match(name) is None:
+            c.errors.append(f"sparkplug.devices: {name!r} is neither a configured port path nor a device id")
+    for i, cmd in enumerate(spb.commands):
+        if cmd.device in modbus_devices:
+            c.errors.append(
+                f"sparkplug.commands[{i}].device = {cmd.device!r}: a Modbus device; its writable registers are "
+                "writable metrics already"
+            )
+
+
 def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
     """Validate a parsed TOML document.
 
@@ -423,9 +540,10 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
     c = _Checker()
     cfg = BridgeConfig(source=source)
     for key in data:
-        if key not in ("bridge", "mqtt", "ports", "metrics"):
-            c.errors.append(f"{key}: unknown table (allowed: bridge, metrics, mqtt, ports)")
+        if key not in ("bridge", "mqtt", "ports", "metrics", "sparkplug"):
+            c.errors.append(f"{key}: unknown table (allowed: bridge, metrics, mqtt, ports, sparkplug)")
     cfg.metrics_bind = _metrics_bind(c, data.get("metrics"))
+    cfg.sparkplug = _sparkplug(c, data.get("sparkplug"), cfg)
     bridge = c.table("bridge", data.get("bridge", {}), _BRIDGE_KEYS)
     if "gateway_id" in bridge:
         cfg.gateway_id = c.str_("bridge.gateway_id", bridge["gateway_id"], GATEWAY_ID_RE) or cfg.gateway_id
@@ -516,10 +634,14 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
             port.reopen_max = port.reopen_max if v is None else v
         cfg.ports.append(port)
     _unique_devices(c, cfg.ports)
+    _check_sparkplug_devices(c, cfg)
     if c.errors:
         raise ConfigError(c.errors, source)
     if not m.client_id:
         m.client_id = f"firmware-bridge-{cfg.gateway_id}"
+    if cfg.sparkplug is not None:
+        cfg.sparkplug.edge_node_id = cfg.sparkplug.edge_node_id or cfg.gateway_id
+        cfg.sparkplug.client_id = cfg.sparkplug.client_id or f"firmware-bridge-{cfg.gateway_id}-sparkplug"
     m.window = min(m.window, m.buffer)
     return cfg
 

@@ -120,7 +120,15 @@ class Publisher:
         status_topic: str | None = None,
         on_connect: Callable[[], Awaitable[None]] | None = None,
         on_message: Callable[[aiomqtt.Message], Awaitable[None]] | None = None,
+        will: Callable[[], Outgoing] | None = None,
+        on_disconnect: Callable[[], None] | None = None,
+        clean_start: bool = False,
+        content_type: str | None = "application/json",
     ) -> None:
+        """``will``: called before every CONNECT for its Will (instead of the status topic's ``offline``);
+        ``on_disconnect``: told when a connection ends; ``clean_start``: a new session on every CONNECT (Session
+        Expiry Interval 0) instead of the persistent one; ``content_type``: the MQTT 5 Content Type of every
+        publish (UTF-8 JSON: Payload Format Indicator 1), or None for binary payloads (no properties)."""
         self.cfg = cfg
         self.buffer = OutBuffer(cfg.buffer)
         # status_topic: retained "online" on every connect and "offline" before a clean disconnect (also the Will);
@@ -128,6 +136,9 @@ class Publisher:
         self.status_topic = status_topic
         self.on_connect = on_connect
         self.on_message = on_message
+        self.will = will
+        self.on_disconnect = on_disconnect
+        self.clean_start = clean_start
         self.client: aiomqtt.Client | None = None
         self.connected = asyncio.Event()
         self.connects = 0
@@ -136,10 +147,14 @@ class Publisher:
         self._wakeup = asyncio.Event()
         self._stop_event = asyncio.Event()
         self._stopping = False
+        self._restart: str | None = None
         self._drain_deadline = math.inf
-        self._json_props = Properties(PacketTypes.PUBLISH)
-        self._json_props.PayloadFormatIndicator = 1
-        self._json_props.ContentType = "application/json"
+        self.content_type = content_type
+        self._json_props: Properties | None = None
+        if content_type is not None:
+            self._json_props = Properties(PacketTypes.PUBLISH)
+            self._json_props.PayloadFormatIndicator = 1
+            self._json_props.ContentType = content_type
 
     # -- producer side -------------------------------------------------------------------------------------------
 
@@ -169,6 +184,12 @@ class Publisher:
             with contextlib.suppress(aiomqtt.MqttError):
                 await client.subscribe(topic_filter, options=SubscribeOptions(qos=1, noLocal=True), timeout=10)
 
+    def restart(self, reason: str) -> None:
+        """End the current connection once what is buffered now has been published (a clean DISCONNECT), then
+        connect again as after a lost connection."""
+        self._restart = reason
+        self._wakeup.set()
+
     def stop(self, drain: float = 2.0) -> None:
         """Finish: publish what is buffered for up to ``drain`` seconds, then disconnect."""
         self._stopping = True
@@ -181,9 +202,12 @@ class Publisher:
 
     def _client(self) -> aiomqtt.Client:
         props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = int(self.cfg.session_expiry)
+        props.SessionExpiryInterval = 0 if self.clean_start else int(self.cfg.session_expiry)
         will = None
-        if self.status_topic is not None:
+        if self.will is not None:
+            w = self.will()
+            will = aiomqtt.Will(w.topic, w.payload, qos=w.qos, retain=w.retain)
+        elif self.status_topic is not None:
             will = aiomqtt.Will(self.status_topic, b"offline", qos=1, retain=True)
         if self.cfg.is_unix:
             host, port, transport = self.cfg.broker, 0, "unix"
@@ -194,7 +218,7 @@ class Publisher:
             port,
             identifier=self.cfg.client_id,
             protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=False,
+            clean_start=self.clean_start,
             keepalive=self.cfg.keepalive,
             properties=props,
             will=will,
@@ -219,9 +243,10 @@ class Publisher:
                     self.connected.set()
                     delay = self.cfg.reconnect_min
                     log.info(
-                        "connected to %s as %s (persistent session)%s",
+                        "connected to %s as %s (%s session)%s",
                         self.cfg.broker,
                         self.cfg.client_id,
+                        "clean" if self.clean_start else "persistent",
                         f"; {len(self.buffer)} buffered" if self.buffer.items else "",
                     )
                     down_logged = False
@@ -243,6 +268,12 @@ class Publisher:
                 self.client = None
                 self.connected.clear()
                 self.buffer.rewind()
+                if self.on_disconnect is not None:
+                    self.on_disconnect()
+            if self._restart is not None:
+                log.info("reconnecting to %s: %s", self.cfg.broker, self._restart)
+                self._restart = None
+                delay = self.cfg.reconnect_min
             await self._sleep(delay * random.uniform(0.8, 1.0))
             delay = min(self.cfg.reconnect_max, delay * 2)
 
@@ -291,10 +322,10 @@ class Publisher:
                     if msg is None:
                         break
                     props = self._json_props
-                    if msg.correlation is not None:
+                    if msg.correlation is not None and self.content_type is not None:
                         props = Properties(PacketTypes.PUBLISH)
                         props.PayloadFormatIndicator = 1
-                        props.ContentType = "application/json"
+                        props.ContentType = self.content_type
                         props.CorrelationData = msg.correlation
                     inflight.append(
                         asyncio.ensure_future(
@@ -309,7 +340,7 @@ class Publisher:
                         )
                     )
                 if not inflight:
-                    if self._stopping:
+                    if self._stopping or self._restart is not None:
                         return
                     self._wakeup.clear()
                     await self._wakeup.wait()
