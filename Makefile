@@ -4,9 +4,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients systemd chromium
+APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools
 
-.PHONY: demo test test-cluster test-cross lint venv deps clean bench soak fuzz image image-test image-powercut image-deps
+.PHONY: demo test test-cluster test-cross lint venv deps clean bench soak fuzz image image-test image-powercut image-deps bundle image-update-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 venv: $(VENV)/.installed
 
-# Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; chromium renders the
+# Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; rauc and
+# squashfs-tools make and check the update bundles of tests/test_update_bundles.py; chromium renders the
 # pipeline report headless and runs mqtt.js over WebSockets, which npm installs into that test's temp dir: npm is
 # installed when missing, unless a nodejs without it is there (NodeSource's bundles npm; Debian's conflicts with it),
 # and the browser test skips without it).
@@ -130,7 +131,7 @@ fuzz: venv
 ARCH ?= amd64
 RUNS ?= 20
 IMAGE_APT_PACKAGES := mmdebstrap arch-test qemu-system-x86 qemu-system-arm qemu-user-static e2fsprogs dosfstools mtools \
-	fdisk bmap-tools strace
+	fdisk bmap-tools strace ovmf rauc squashfs-tools
 
 image-deps:
 	@missing=""; for p in $(IMAGE_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -144,6 +145,17 @@ image: venv image-deps
 
 image-test: image
 	IMAGE_ARCH=$(ARCH) image/boot-test.sh
+
+# The field-update test (image/update_test.py, amd64; not part of `make test`, see README "Updating gateways in the
+# field" for its stage times): the image booted through OVMF and GRUB, v1 -> v2 by rauc install, three bundles
+# refused, a broken v3 rolled back by the health check and GRUB, a power cut during an install.
+image-update-test: image
+	$(BIN)/python image/update_test.py
+
+# A signed RAUC update bundle of the image's root (image/rauc/bundle.sh): build/appliance/edge-gateway-VERSION-ARCH.raucb.
+# Signed with IMAGE_SIGNING_CERT / IMAGE_SIGNING_KEY, else a development key made once (build/appliance/keys/, loudly).
+bundle: image
+	IMAGE_ARCH=$(ARCH) image/rauc/bundle.sh --arch $(ARCH)
 
 image-powercut: image
 	IMAGE_ARCH=$(ARCH) IMAGE_POWER_CUTS=$(RUNS) image/boot-test.sh

@@ -3,13 +3,19 @@
 #
 #   build/appliance/base-ARCH-KEY.tar        mmdebstrap output (cached; keyed by this recipe, the packages, the sources)
 #   build/appliance/rootfs-ARCH/             the root filesystem, provisioned through Ansible's chroot connection
-#   build/appliance/edge-gateway-ARCH.img    the disk: MBR with 1 boot (FAT32, EG-BOOT), 2 root (ext4, eg-root,
-#                                            mounted read-only), 3 data (ext4, eg-data, /var/lib/edge-gateway)
+#   build/appliance/edge-gateway-ARCH.img    the disk, MBR. amd64: 1 boot (the EFI system partition, FAT32, EG-BOOT:
+#                                            GRUB and its A/B state), 2 and 3 the root slots A and B (ext4, mounted
+#                                            read-only; B empty until the first update), 4 data (ext4, eg-data,
+#                                            /var/lib/edge-gateway). arm64: 1 boot (FAT32, EG-BOOT), 2 root (ext4,
+#                                            eg-root, read-only), 3 data.
 #   build/appliance/edge-gateway-ARCH.img.bmap      for `bmaptool copy`
-#   build/appliance/edge-gateway-ARCH-root.ext4     the root partition alone: re-flash it and the data partition stays
+#   build/appliance/edge-gateway-ARCH-root.ext4     the root partition alone: what `make bundle` signs for RAUC
+#   build/appliance/edge-gateway-ARCH.version       the image's version (IMAGE_VERSION; /etc/edge-gateway-release)
 #
-# The boot partition holds the kernel and initrd (and on arm64 the Raspberry Pi firmware, config.txt, cmdline.txt
-# and device trees, as Debian's raspi images have them); `make image-test` boots the kernel and initrd it finds there.
+# amd64 boots through GRUB (EFI), which picks the root slot with RAUC's boot counting (image/rauc/grub.cfg) and
+# loads the kernel and initrd from that slot. On arm64 the boot partition holds the kernel and initrd (and the
+# Raspberry Pi firmware, config.txt, cmdline.txt and device trees, as Debian's raspi images have them);
+# `make image-test` boots the kernel and initrd it finds there.
 # Runs as root (mmdebstrap --mode=root, chroot, files owned by system users). mmdebstrap's temporary mounts of
 # /proc, /sys and /dev live in a private mount namespace (unshare), so none can outlive the build. No loop device and
 # no mount: the file systems are made from directories (mkfs.ext4 -d, mkfs.vfat + mcopy) and put into the disk with
@@ -29,11 +35,17 @@ IMAGE_ROOT_MB=${IMAGE_ROOT_MB:-2048}
 # The data partition: the LMDB store (store.max_size 1GB in the image inventory) and its headroom.
 IMAGE_DATA_MB=${IMAGE_DATA_MB:-1280}
 IMAGE_BOOT_MB=256
+# The image's version: /etc/edge-gateway-release in the root, the version of the RAUC bundle made from it.
+IMAGE_VERSION=${IMAGE_VERSION:-$(date -u +%Y.%m.%d.%H%M)-$(git -C "$ROOT_DIR" rev-parse --short HEAD 2>/dev/null || echo local)}
+# The MBR disk identifier: the partitions' PARTUUIDs (RAUC's slots, the kernel's root=) are DISKID-01 ... -04.
+DISKID=45474757
 PACKAGES=(systemd systemd-sysv udev kmod e2fsprogs python3 python3-venv python3-packaging python3-apt mosquitto-clients
           initramfs-tools linux-image-"$ARCH")
 COMPONENTS=main
 case "$ARCH" in
-    amd64) QEMU_CPU=x86_64 ;;
+    # GRUB for EFI (its modules and grub-editenv, which RAUC's grub backend runs) and RAUC for the A/B updates; the
+    # rauc command line talks to the rauc service over the D-Bus system bus
+    amd64) QEMU_CPU=x86_64; PACKAGES+=(grub-efi-amd64-bin rauc dbus) ;;
     arm64) QEMU_CPU=aarch64; PACKAGES+=(raspi-firmware dosfstools); COMPONENTS="main non-free-firmware" ;;
     *) printf 'image: ARCH=%s: must be amd64 or arm64\n' "$ARCH" >&2; exit 2 ;;
 esac
@@ -148,7 +160,18 @@ printf '127.0.0.1\tlocalhost\n127.0.1.1\tedge-gateway\n::1\t\tlocalhost ip6-loca
     > "$rootfs/etc/hosts"
 # The root is read-only (README "Read-only root"): what must be written at run time is on the data partition
 # (/var/lib/edge-gateway: the store) or in memory (/tmp, /var/tmp, /run; the journal is volatile, in /run).
-cat > "$rootfs/etc/fstab" <<'FSTAB'
+if [ "$ARCH" = amd64 ]; then
+    # The root is whichever slot GRUB booted (root=PARTUUID=... ro on the kernel command line): no line for it here.
+    # The EFI system partition is writable: RAUC's grub backend writes the A/B state (grubenv) there.
+    cat > "$rootfs/etc/fstab" <<'FSTAB'
+# <file system>	<mount point>	<type>	<options>	<dump>	<pass>
+LABEL=eg-data	/var/lib/edge-gateway	ext4	rw,noatime,nodev,nosuid,noexec	0	2
+LABEL=EG-BOOT	/boot/firmware	vfat	rw,nofail,noatime,flush,umask=0077	0	2
+tmpfs	/tmp	tmpfs	mode=1777,nosuid,nodev,size=64M	0	0
+tmpfs	/var/tmp	tmpfs	mode=1777,nosuid,nodev,size=16M	0	0
+FSTAB
+else
+    cat > "$rootfs/etc/fstab" <<'FSTAB'
 # <file system>	<mount point>	<type>	<options>	<dump>	<pass>
 LABEL=eg-root	/	ext4	ro,noatime	0	1
 LABEL=eg-data	/var/lib/edge-gateway	ext4	rw,noatime,nodev,nosuid,noexec	0	2
@@ -156,6 +179,7 @@ LABEL=EG-BOOT	/boot/firmware	vfat	ro,nofail,noatime,umask=0022	0	2
 tmpfs	/tmp	tmpfs	mode=1777,nosuid,nodev,size=64M	0	0
 tmpfs	/var/tmp	tmpfs	mode=1777,nosuid,nodev,size=16M	0	0
 FSTAB
+fi
 # An empty machine-id on a read-only root: systemd makes a new one each boot and mounts it from /run.
 : > "$rootfs/etc/machine-id"
 rm -f "$rootfs/var/lib/dbus/machine-id"
@@ -201,10 +225,35 @@ rm -rf "$rootfs/root/.ansible" "$rootfs/tmp/"* "$src" 2>/dev/null || true
 ln -sfn ../run/resolv.conf "$rootfs/etc/resolv.conf"
 
 # ---------------------------------------------------------------------------------------------- 4. test probe
-# Inert unless the kernel command line asks for it (make image-test boots with systemd.wants=edge-gateway-probe.service).
+# Inert unless the kernel command line or qemu's fw_cfg asks for it (image/probe/probe.sh --wanted).
 install -D -m 0755 "$ROOT_DIR/image/probe/probe.sh" "$rootfs/usr/local/lib/edge-gateway-probe/probe.sh"
 install -D -m 0644 "$ROOT_DIR/image/probe/edge-gateway-probe.service" \
     "$rootfs/etc/systemd/system/edge-gateway-probe.service"
+ln -sfn ../edge-gateway-probe.service "$rootfs/etc/systemd/system/multi-user.target.wants/edge-gateway-probe.service"
+printf 'VERSION=%s\nARCH=%s\n' "$IMAGE_VERSION" "$ARCH" > "$rootfs/etc/edge-gateway-release"
+printf '%s\n' "$IMAGE_VERSION" > "$OUT/edge-gateway-$ARCH.version"
+
+# ---------------------------------------------------------------------------------------------- 4b. A/B updates
+if [ "$ARCH" = amd64 ]; then
+    # RAUC with two root slots (image/rauc/system.conf.in), the keyring bundles must chain to (image/rauc/keys.sh:
+    # the operator's, or a development key made once), and the health check that commits or rolls back a new slot.
+    mapfile -t signing < <("$ROOT_DIR/image/rauc/keys.sh" "$OUT")
+    sed -e "s/@COMPATIBLE@/edge-gateway-$ARCH/" -e "s/@DISKID@/$DISKID/" "$ROOT_DIR/image/rauc/system.conf.in" \
+        | install -D -m 0644 /dev/stdin "$rootfs/etc/rauc/system.conf"
+    install -D -m 0644 "${signing[2]}" "$rootfs/etc/rauc/keyring.pem"
+    install -D -m 0755 "$ROOT_DIR/image/rauc/health.sh" "$rootfs/usr/local/lib/edge-gateway/health.sh"
+    install -D -m 0644 "$ROOT_DIR/image/rauc/edge-gateway-health.service" \
+        "$rootfs/etc/systemd/system/edge-gateway-health.service"
+    ln -sfn ../edge-gateway-health.service \
+        "$rootfs/etc/systemd/system/multi-user.target.wants/edge-gateway-health.service"
+    install -d -m 0755 "$rootfs/var/lib/edge-gateway/update"  # RAUC's status, the health check's outcome (data)
+    # GRUB loads the slot's kernel and initrd by these names (Debian's symlinks in /, made here when missing).
+    kernel=$(cd "$rootfs" && find boot -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)
+    initrd=$(cd "$rootfs" && find boot -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -1)
+    [ -n "$kernel" ] && [ -n "$initrd" ] || die "no kernel/initrd in $rootfs/boot"
+    ln -sfn "$kernel" "$rootfs/vmlinuz"
+    ln -sfn "$initrd" "$rootfs/initrd.img"
+fi
 
 # ---------------------------------------------------------------------------------------------- 5. partitions
 stage partitions
@@ -243,8 +292,21 @@ CONFIG
     echo "console=tty0 console=ttyS1,115200 root=LABEL=eg-root ro rootwait fsck.repair=yes net.ifnames=0 cma=64M" \
         > "$parts/boot/cmdline.txt"
 else
-    cp "$kernel" "$parts/boot/vmlinuz"
-    cp "$initrd" "$parts/boot/initrd.img"
+    # The EFI system partition: GRUB as the removable-media boot path (EFI/BOOT/BOOTX64.EFI: no NVRAM entry to
+    # make), with an embedded configuration that reads EFI/edge-gateway/grub.cfg (the A/B selection) and its state,
+    # grubenv: both slots' OK and TRY, slot A first and good, slot B empty until the first update.
+    mkdir -p "$parts/boot/EFI/BOOT" "$parts/boot/EFI/edge-gateway"
+    cp "$ROOT_DIR/image/rauc/embedded.cfg" "$rootfs/tmp/embedded.cfg"
+    chroot "$rootfs" grub-mkstandalone -O x86_64-efi -o /tmp/BOOTX64.EFI \
+        --modules="part_msdos fat ext2 linux normal configfile loadenv test echo search search_label regexp probe serial terminal" \
+        --locales= --themes= --fonts= "boot/grub/grub.cfg=/tmp/embedded.cfg"
+    mv "$rootfs/tmp/BOOTX64.EFI" "$parts/boot/EFI/BOOT/BOOTX64.EFI"
+    rm -f "$rootfs/tmp/embedded.cfg"
+    cp "$ROOT_DIR/image/rauc/grub.cfg" "$parts/boot/EFI/edge-gateway/grub.cfg"
+    env=$parts/boot/EFI/edge-gateway/grubenv
+    chroot "$rootfs" grub-editenv /tmp/grubenv create
+    chroot "$rootfs" grub-editenv /tmp/grubenv set ORDER="A B" A_OK=1 A_TRY=0 B_OK=0 B_TRY=0
+    mv "$rootfs/tmp/grubenv" "$env"
 fi
 # The boot partition's files stay in the root too (/boot); /boot/firmware and /var/lib/edge-gateway are mount points.
 # firmware-bridge keeps no state, but systemd makes its StateDirectory= at each start unless it is there as it wants
@@ -259,6 +321,7 @@ used_mb=$(du -sm --apparent-size "$rootfs" | cut -f1)
 root_mb=$IMAGE_ROOT_MB
 [ $((used_mb * 12 / 10 + 64)) -le "$root_mb" ] || die "the root ($used_mb MiB) does not fit IMAGE_ROOT_MB=$root_mb MiB"
 mkfs.ext4 -q -F -L eg-root -d "$rootfs" "$parts/root.ext4" "${root_mb}M"
+# RAUC writes this image into a slot whole; a fixed UUID would be the same in both slots, so leave it random.
 mkfs.ext4 -q -F -L eg-data -d "$parts/data" "$parts/data.ext4" "${IMAGE_DATA_MB}M"
 boot_mb=$(du -sm --apparent-size "$parts/boot" | cut -f1)
 [ "$boot_mb" -lt $((IMAGE_BOOT_MB - 32)) ] || die "the boot files ($boot_mb MiB) do not fit $IMAGE_BOOT_MB MiB"
@@ -270,25 +333,32 @@ stage disk
 img="$OUT/edge-gateway-$ARCH.img"
 rm -f "$img" "$img.bmap"
 first=4   # MiB before the first partition (the firmware and the SD card's erase blocks like 4 MiB alignment)
-total=$((first + IMAGE_BOOT_MB + root_mb + IMAGE_DATA_MB))
+slots=1
+[ "$ARCH" = amd64 ] && slots=2  # the A/B root slots (arm64: one root)
+data_at=$((first + IMAGE_BOOT_MB + slots * root_mb))
+total=$((data_at + IMAGE_DATA_MB))
 truncate -s "${total}M" "$img"
-# MBR (the Raspberry Pi 3 boots from MBR only): 1 FAT32 LBA, bootable; 2 and 3 Linux.
-sfdisk --quiet --no-reread --no-tell-kernel "$img" <<SFDISK
-label: dos
-unit: sectors
-start=$((first * 2048)), size=$((IMAGE_BOOT_MB * 2048)), type=c, bootable
-start=$(((first + IMAGE_BOOT_MB) * 2048)), size=$((root_mb * 2048)), type=83
-start=$(((first + IMAGE_BOOT_MB + root_mb) * 2048)), size=$((IMAGE_DATA_MB * 2048)), type=83
-SFDISK
+# MBR (the Raspberry Pi 3 boots from MBR only; EFI boots from MBR too, partition type ef): 1 boot, bootable; then the
+# root slot(s) and the data partition, Linux.
+boot_type=c
+[ "$ARCH" = amd64 ] && boot_type=ef
+{
+    printf 'label: dos\nlabel-id: 0x%s\nunit: sectors\n' "$DISKID"
+    printf 'start=%d, size=%d, type=%s, bootable\n' $((first * 2048)) $((IMAGE_BOOT_MB * 2048)) "$boot_type"
+    for n in $(seq "$slots"); do
+        printf 'start=%d, size=%d, type=83\n' $(((first + IMAGE_BOOT_MB + (n - 1) * root_mb) * 2048)) $((root_mb * 2048))
+    done
+    printf 'start=%d, size=%d, type=83\n' $((data_at * 2048)) $((IMAGE_DATA_MB * 2048))
+} | sfdisk --quiet --no-reread --no-tell-kernel "$img"
 dd if="$parts/boot.vfat" of="$img" bs=1M seek=$first conv=notrunc,sparse status=none
 dd if="$parts/root.ext4" of="$img" bs=1M seek=$((first + IMAGE_BOOT_MB)) conv=notrunc,sparse status=none
-dd if="$parts/data.ext4" of="$img" bs=1M seek=$((first + IMAGE_BOOT_MB + root_mb)) conv=notrunc,sparse status=none
+dd if="$parts/data.ext4" of="$img" bs=1M seek=$data_at conv=notrunc,sparse status=none
 mv "$parts/root.ext4" "$OUT/edge-gateway-$ARCH-root.ext4"
 rm -rf "$parts"
 bmaptool -q create -o "$img.bmap" "$img"
 sfdisk --list "$img" | sed -n '/^Device/,$p'
 stage done
-log "image: $img (${total} MiB, $(du -sm "$img" | cut -f1) MiB allocated; root ${root_mb} MiB with $used_mb MiB used," \
-    "data ${IMAGE_DATA_MB} MiB), kernel $kver, $((SECONDS - start)) s in all"
+log "image: $img (${total} MiB, $(du -sm "$img" | cut -f1) MiB allocated; root ${root_mb} MiB x $slots with $used_mb" \
+    "MiB used, data ${IMAGE_DATA_MB} MiB), kernel $kver, version $IMAGE_VERSION, $((SECONDS - start)) s in all"
 exit
 }

@@ -23,6 +23,11 @@ qemu loses is what the guest had not yet written to its virtual disk (its page c
 cut of a board whose storage honours flushes. It does not model storage that loses writes it acknowledged as
 flushed (README "Power cuts").
 
+amd64 boots the way a board does: OVMF (EFI firmware, Debian's ``ovmf``) runs GRUB from the image's EFI system
+partition, which picks the root slot (image/rauc/grub.cfg) and loads its kernel; the probe's parameters travel in
+qemu's fw_cfg entry ``opt/edge_gateway/probe`` (GRUB owns the kernel command line). arm64 boots the kernel and
+initrd of the image's boot partition with ``-kernel`` and the parameters on the command line.
+
 Each qemu run has a hard timeout (``timeout --signal=KILL``) beside this script's own deadlines; qemu is killed by
 its PID (``-pidfile``). For arm64 (``virt`` or ``raspi3b``) every time limit is multiplied by ``ARM64_SCALE`` (3;
 ``IMAGE_TEST_SCALE=``), the probe's too (``edge_gateway.probe_scale=`` on the kernel command line): the same checks
@@ -57,6 +62,9 @@ CHECKS = ("broker-active", "pubsub-roundtrip", "bridge-reading", "watchdog-resta
 PROBE = re.compile(r"edge-gateway-probe: (.*)")
 INFLIGHT = 20
 TOPIC = "powercut"
+#: Debian's OVMF (package ovmf): the firmware code (read-only) and the template of its variable store
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 #: arm64 under TCG (an aarch64 guest translated on an x86 host) is slower than the amd64 guest: time limits x3
 #: (IMAGE_TEST_SCALE= overrides it)
 ARM64_SCALE = int(os.environ.get("IMAGE_TEST_SCALE", 3))
@@ -77,6 +85,8 @@ class Arch:
     initrd: str = ""
     dtb: str = ""
     root: str = "LABEL=eg-root"
+    #: boots through EFI firmware (OVMF) and the image's own boot loader, not -kernel
+    efi: bool = False
     #: the Raspberry Pi machines: the disk is an SD card (size a power of 2), the console the second UART
     raspi: bool = False
     #: how much slower than amd64 on q35 this machine runs under TCG: every time limit of this script and of the
@@ -89,7 +99,7 @@ def arch_config(arch: str, machine: str, out: Path) -> Arch:
     disk = str(out / f"edge-gateway-{arch}.img")
     if arch == "amd64" and machine in ("", "q35"):
         return Arch(["qemu-system-x86_64", "-machine", "q35", "-cpu", "max", "-smp", "2", "-m", "1024"], "ttyS0",
-                    disk)
+                    disk, efi=True)
     if arch == "arm64" and machine in ("", "virt"):
         return Arch(["qemu-system-aarch64", "-machine", "virt", "-cpu", "cortex-a53", "-smp", "2", "-m", "1024"],
                     "ttyAMA0", disk, scale=ARM64_SCALE)
@@ -147,6 +157,8 @@ class Vm:
     limit: float
     port: int = 0
     snapshot: bool = False
+    #: more disks, read-only (the update test's stick)
+    drives: list[Path] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
     started: float = 0.0
@@ -167,19 +179,32 @@ class Vm:
         if self.arch.raspi:
             disk = ["-drive", f"{drive},if=sd", "-dtb", self.arch.dtb]
             serial = ["-serial", "null", *serial]
+        for n, extra in enumerate(self.drives, start=1):
+            disk += ["-drive", f"file={extra},format=raw,readonly=on,if=none,id=hd{n}",
+                     "-device", f"virtio-blk-pci,drive=hd{n}"]
         net = ["-nic", "none"]
         if self.port:
+            # romfile=: no network boot ROM, so the firmware goes straight to the disk
             net = ["-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.port}-:1885",
-                   "-device", "virtio-net-pci,netdev=net0"]
+                   "-device", "virtio-net-pci,netdev=net0,romfile="]
+        if self.arch.efi:
+            # the EFI variable store beside the disk (copied from OVMF's template once; the boot entries OVMF makes)
+            nvram = self.disk.with_name(self.disk.name + ".efivars")
+            if not nvram.exists():
+                shutil.copyfile(OVMF_VARS, nvram)
+            boot = ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+                    "-drive", f"if=pflash,format=raw,unit=1,file={nvram}",
+                    "-fw_cfg", f"name=opt/edge_gateway/probe,string={self.cmdline}"]
+        else:
+            boot = ["-kernel", self.arch.kernel, "-initrd", self.arch.initrd,
+                    "-append", f"root={self.arch.root} ro console={self.arch.console} panic=-1 {self.cmdline}"]
         # strace counts the fdatasync/fsync calls qemu makes on the disk file: the guest's flushes reaching it
         # (--seccomp-bpf: only those system calls stop qemu).
         cmd = ["timeout", "--signal=KILL", str(int(self.limit)),
                "strace", "-f", "--seccomp-bpf", "-qq", "-y", "-e", "trace=fdatasync,fsync", "-o", str(self.trace),
                *self.arch.qemu, "-accel", os.environ.get("IMAGE_TEST_ACCEL", "tcg"),
                "-no-reboot", "-display", "none", "-monitor", "none", *serial, "-pidfile", str(pidfile),
-               "-kernel", self.arch.kernel, "-initrd", self.arch.initrd,
-               "-append", f"root={self.arch.root} ro console={self.arch.console} panic=-1 {self.cmdline}",
-               *disk, *net]
+               *boot, *disk, *net]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         end = time.monotonic() + 30
@@ -411,14 +436,20 @@ def main() -> int:
     for tool in (arch.qemu[0], "sfdisk", "mcopy"):
         if shutil.which(tool) is None:
             raise SystemExit(f"image-test: {tool} is missing: make image-deps")
-    extract_boot_files(arch, args.out / f"boot-{args.arch}")
+    if arch.efi and not OVMF_CODE.is_file():
+        raise SystemExit(f"image-test: {OVMF_CODE} is missing: make image-deps (ovmf)")
+    if not arch.efi:
+        extract_boot_files(arch, args.out / f"boot-{args.arch}")
     if arch.raspi:
         # qemu's SD card must be a power of 2 in size: a sparse copy, grown to the next one (the partitions stay).
         sd = args.out / f"sd-{args.arch}.img"
         subprocess.run(["cp", "--sparse=always", "--reflink=auto", arch.disk, str(sd)], check=True)
         os.truncate(sd, 1 << (sd.stat().st_size - 1).bit_length())
         arch.disk = str(sd)
-    log(f"kernel and initrd from the boot partition of {Path(arch.disk).name}: {arch.kernel}, {arch.initrd}")
+    if arch.efi:
+        log(f"{Path(arch.disk).name} boots through OVMF and its own GRUB")
+    else:
+        log(f"kernel and initrd from the boot partition of {Path(arch.disk).name}: {arch.kernel}, {arch.initrd}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 32)
     rng = random.Random(seed)
     tag = f"-{args.arch}" + (f"-{args.machine}" if args.machine else "")
@@ -497,6 +528,7 @@ def main() -> int:
             vm.kill()
         if args.power_cuts and not args.keep_disk and not failures:
             work.unlink(missing_ok=True)
+            Path(str(work) + ".efivars").unlink(missing_ok=True)
         if arch.raspi:
             Path(arch.disk).unlink(missing_ok=True)
         for path in args.out.glob(f"serial{tag}*.trace"):

@@ -313,3 +313,26 @@ qos = 1
             pub.close()
         assert gw.stop() == 0, gw.log()
         cloud.cleanup()
+
+
+def test_metrics_report_the_last_update_outcome(tmp_path: Any) -> None:
+    """The image's health check writes the last A/B update outcome (image/rauc/health.sh's KEY=value file); the
+    metrics show it as edge_gateway_update_info{outcome, slot, version, previous} and its time, read at each scrape
+    (a rollback written while the broker runs shows on the next scrape); no file, no update metrics."""
+    status = tmp_path / "update-last"
+    gw = BrokerProcess(CONFIG, workdir=str(tmp_path), env={"EDGE_GATEWAY_UPDATE_STATUS": str(status)}).start()
+    try:
+        port = metrics_port(gw)
+        assert not any(name.startswith("edge_gateway_update") for name, _ in scrape(port))
+        status.write_text("OUTCOME=updated\nSLOT=B\nVERSION=2026.11.27-b\nPREVIOUS=2026.11.20-a\n"
+                          "AT=2026-11-27T08:00:00Z\nDETAIL=healthy: marked good\n")
+        samples = scrape(port)
+        assert value(samples, "edge_gateway_update_info", outcome="updated", slot="B", version="2026.11.27-b",
+                     previous="2026.11.20-a") == 1
+        assert value(samples, "edge_gateway_update_timestamp_seconds") == 1_795_766_400
+        status.write_text("OUTCOME=rolled_back\nSLOT=B\nVERSION=2026.11.27-b\nPREVIOUS=2026.11.28-c\n"
+                          "AT=2026-11-28T09:30:00Z\n")
+        assert value(scrape(port), "edge_gateway_update_info", outcome="rolled_back", slot="B",
+                     version="2026.11.27-b", previous="2026.11.28-c") == 1
+    finally:
+        assert gw.stop() == 0, gw.log()

@@ -19,7 +19,9 @@ Names follow the Prometheus conventions (``edge_gateway_`` prefix, ``_total`` co
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +59,11 @@ DROP_REASONS = (
 )
 #: Upstream link states (gateway/upstream/link.py).
 LINK_STATES = ("connecting", "connected", "backing-off", "stopped")
+
+#: The last outcome of an A/B update, written by the image's health check (image/rauc/health.sh) as KEY=value lines:
+#: OUTCOME (installed, updated, rolling_back, rolled_back), SLOT, VERSION, PREVIOUS, AT (RFC 3339 UTC), DETAIL.
+#: EDGE_GATEWAY_UPDATE_STATUS names another file. Absent (no A/B image): no update metrics.
+UPDATE_STATUS = "/var/lib/edge-gateway/update/last"
 
 
 @dataclass(slots=True)
@@ -175,6 +182,7 @@ class BrokerCollector(Collector):
         if snap.store is not None:
             yield from _store_families(snap.store)
         yield from _disk_families()
+        yield from _update_families(os.environ.get("EDGE_GATEWAY_UPDATE_STATUS", UPDATE_STATUS))
         if self.upstream is not None:
             yield from _link_families(snap.links)
 
@@ -298,6 +306,28 @@ def _disk_families() -> Iterator[Metric]:
         return
     yield _counter("edge_gateway_disk_written_bytes_total", "Bytes this process caused to be written to storage "
                    "(Linux /proc/self/io write_bytes: the store's pages and syncs; what wears flash).", written)
+
+
+def _update_families(path: str) -> Iterator[Metric]:
+    """The last A/B update's outcome (:data:`UPDATE_STATUS`): ``edge_gateway_update_info`` with its outcome, slot and
+    versions, and ``edge_gateway_update_timestamp_seconds`` (Unix time of the outcome). Nothing when the file is
+    absent or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = dict(line.split("=", 1) for line in f.read().splitlines() if "=" in line)
+    except (OSError, UnicodeDecodeError):
+        return
+    info = InfoMetricFamily("edge_gateway_update", "The last A/B update of this gateway's root (RAUC): outcome "
+                            "(installed, updated, rolling_back, rolled_back), the slot booted, its version and the "
+                            "one before.")
+    info.add_metric([], {key.lower(): fields.get(key, "") for key in ("OUTCOME", "SLOT", "VERSION", "PREVIOUS")})
+    yield info
+    try:
+        at = datetime.datetime.fromisoformat(fields.get("AT", "").replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return
+    yield _gauge("edge_gateway_update_timestamp_seconds", "When the last A/B update outcome was recorded, Unix time "
+                 "in seconds.", at)
 
 
 def _link_families(links: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -10,6 +10,20 @@
 # "again" (each boot after a cut) runs only the first check before that.
 set -u
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
+# The probe's parameters (edge_gateway.*): the kernel command line, where the test boots the kernel itself (arm64),
+# and qemu's fw_cfg entry opt/edge_gateway/probe, where a boot loader owns the command line (amd64: GRUB). A board
+# has neither, so the probe stays inert there.
+params() {
+    cat /proc/cmdline
+    modprobe -q qemu_fw_cfg 2>/dev/null
+    cat /sys/firmware/qemu_fw_cfg/by_name/opt/edge_gateway/probe/raw 2>/dev/null
+}
+PARAMS=" $(params | tr '\n' ' ') "
+param() { echo "$PARAMS" | sed -n "s/.* edge_gateway\.$1=\([^ ]*\) .*/\1/p"; }
+if [ "${1:-}" = --wanted ]; then  # the unit's ExecCondition: run only when asked to
+    [ "$(param probe)" = 1 ]
+    exit
+fi
 GW=edge-gateway.service
 BRIDGE=firmware-bridge.service
 
@@ -20,7 +34,7 @@ failed=0
 
 # edge_gateway.probe_scale=N on the kernel command line multiplies the probe's time limits (image/vm_test.py passes
 # it where the emulation is slower, e.g. 3 for arm64 under TCG): the same checks, more time to get there.
-scale=$(sed -n 's/.*edge_gateway\.probe_scale=\([0-9][0-9]*\).*/\1/p' /proc/cmdline)
+scale=$(param probe_scale)
 scale=${scale:-1}
 # wait_for SECONDS COMMAND...: poll until COMMAND succeeds (within SECONDS times the scale).
 wait_for() {
@@ -76,9 +90,44 @@ serve() {
         > /run/probe-proxy.log 2>&1 &
     wait_for 60 grep -q 10.0.2.15 /proc/net/fib_trie || say "no address 10.0.2.15: $(ls /sys/class/net | tr '\n' ' ')"
     say "SERVING 0.0.0.0:1885 -> 127.0.0.1:1884 (systemd-socket-proxyd), up $(cut -d' ' -f1 /proc/uptime) s"
+    commands
     sleep infinity
 }
-powercut=$(sed -n 's/.*edge_gateway\.powercut=\([a-z]*\).*/\1/p' /proc/cmdline)
+
+# The update test (image/update_test.py) drives a served boot through the broker itself: a line on probe/command
+# (QoS 1, from the host through the forwarded port) is one command, and its result comes back on the console.
+#   slot                 SLOT booted=A primary=A version=... and rauc's view of both slots
+#   health               waits for edge-gateway-health.service, then HEALTH <its outcome file>
+#   install FILE         rauc install of FILE on the stick (the second disk, a FAT file system labelled EG-STICK):
+#                        INSTALLED FILE, or REFUSED FILE: rauc's error
+#   reboot               systemctl reboot (qemu runs with -no-reboot: the test boots the disk again)
+slot_report() {
+    eval "$(rauc status --output-format=shell 2>/dev/null | grep -E '^RAUC_(SYSTEM_BOOTED_BOOTNAME|BOOT_PRIMARY)=')"
+    say "SLOT booted=${RAUC_SYSTEM_BOOTED_BOOTNAME:-?} primary=${RAUC_BOOT_PRIMARY:-?} version=$(sed -n 's/^VERSION=//p' /etc/edge-gateway-release)"
+    rauc status --detailed 2>&1 | grep -E 'rootfs\.[01]|boot status|bundle.version|installed.timestamp' \
+        | while IFS= read -r line; do say "  rauc: $line"; done
+}
+commands() {
+    mosquitto_sub -h 127.0.0.1 -p 1884 -q 1 -i probe-commands -t probe/command 2>/dev/null | while read -r cmd arg; do
+        case "$cmd" in
+            slot) slot_report ;;
+            health)
+                wait_for 600 sh -c '[ "$(systemctl show -p ActiveState --value edge-gateway-health.service)" != activating ]'
+                say "HEALTH $(systemctl show -p Result --value edge-gateway-health.service) $(tr '\n' ' ' < /var/lib/edge-gateway/update/last 2>/dev/null)" ;;
+            install)
+                install -d /run/stick
+                mountpoint -q /run/stick || mount -o ro /dev/disk/by-label/EG-STICK /run/stick
+                if rauc install "/run/stick/$arg" > /run/probe-install.log 2>&1; then
+                    say "INSTALLED $arg: $(tail -n1 /run/probe-install.log)"
+                else
+                    say "REFUSED $arg: $(grep -v '^installing' /run/probe-install.log | tail -n3 | tr '\n' ' ')"
+                fi ;;
+            reboot) say "REBOOTING"; systemctl reboot ;;
+            *) say "UNKNOWN command $cmd" ;;
+        esac
+    done
+}
+powercut=$(param powercut)
 
 say "START $(uname -r) $(uname -m), up $(cut -d' ' -f1 /proc/uptime) s, time limits x$scale"
 say "ROOT / is $(findmnt -n -o SOURCE,FSTYPE,OPTIONS /)"  # read-only (README "Read-only root")

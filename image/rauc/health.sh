@@ -1,0 +1,125 @@
+#!/bin/sh
+# edge-gateway-health.service: after a boot, decide whether the booted root slot is good.
+#
+# Good: edge-gateway reached READY (Type=notify: active) with its store opened cleanly (no "STORE CORRUPT" in this
+# boot's journal), firmware-bridge is active, and, when gateway.toml has an [[upstream]], a link connected once or
+# HEALTH_UPSTREAM_WAIT seconds passed (a cloud that is down must not roll back a good update). Then `rauc status
+# mark-good` (the boot counter starts again) and the slot's version is remembered as confirmed.
+# Not good within HEALTH_TIMEOUT seconds: on a slot whose version was never confirmed (the first boots after an
+# update) `rauc status mark-bad` and a reboot: GRUB then boots the other slot, the previous system. On a confirmed
+# slot a failure is not the update's fault: it is logged, and the slot is marked good all the same (a failing
+# service must not send a gateway back to an older system).
+# Each outcome is logged, written to /var/lib/edge-gateway/update/last (KEY=value lines) and published retained on
+# the local broker as gateway/<gateway_id>/update (a JSON object), which an [[upstream.forward]] rule for
+# gateway/# sends to the cloud.
+set -u
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+GW=edge-gateway.service
+BRIDGE=firmware-bridge.service
+STATE=/var/lib/edge-gateway/update
+CONFIG=${EDGE_GATEWAY_CONFIG:-/etc/edge-gateway/gateway.toml}
+HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-300}
+HEALTH_UPSTREAM_WAIT=${HEALTH_UPSTREAM_WAIT:-120}
+
+say() { echo "edge-gateway-health: $*"; }
+uptime_s() { cut -d. -f1 /proc/uptime; }
+slot=$(sed -n 's/.*rauc\.slot=\([A-Za-z0-9]*\).*/\1/p' /proc/cmdline)
+version=$(sed -n 's/^VERSION=//p' /etc/edge-gateway-release 2>/dev/null)
+version=${version:-unknown}
+install -d -m 0755 "$STATE"
+confirmed=$(cat "$STATE/confirmed-$slot" 2>/dev/null || true)
+
+# Which slot RAUC considers primary (the one it installed last and marked for boot): booting another one means the
+# boot loader fell back, or the health check of the primary failed.
+primary=$(rauc status --output-format=shell 2>/dev/null | sed -n "s/^RAUC_BOOT_PRIMARY='\(.*\)'/\1/p")
+booted=$(rauc status --output-format=shell 2>/dev/null | sed -n "s/^RAUC_SYSTEM_BOOTED_BOOTNAME='\(.*\)'/\1/p")
+
+deadline=$(( $(uptime_s) + HEALTH_TIMEOUT ))
+why=""
+healthy() {
+    why=""
+    systemctl is-active --quiet "$GW" || { why="$GW is $(systemctl show -p ActiveState --value $GW)"; return 1; }
+    if journalctl -b -u "$GW" -o cat --no-pager 2>/dev/null | grep -q 'STORE CORRUPT'; then
+        why="the store did not open cleanly (quarantined)"; return 1
+    fi
+    systemctl is-active --quiet "$BRIDGE" || { why="$BRIDGE is $(systemctl show -p ActiveState --value $BRIDGE)"; return 1; }
+    if grep -q '^\[\[upstream\]\]' "$CONFIG" 2>/dev/null; then
+        if ! journalctl -b -u "$GW" -o cat --no-pager 2>/dev/null | grep -q 'upstream .*: connected to' \
+            && [ "$(uptime_s)" -lt "$up_wait_until" ]; then
+            why="no upstream link connected yet"; return 1
+        fi
+    fi
+    return 0
+}
+up_wait_until=$(( $(uptime_s) + HEALTH_UPSTREAM_WAIT ))
+until healthy; do
+    if [ "$(uptime_s)" -ge "$deadline" ]; then break; fi
+    # a unit that gave up restarting (StartLimitBurst) will not come up by waiting
+    if systemctl is-failed --quiet "$GW" || systemctl is-failed --quiet "$BRIDGE"; then break; fi
+    sleep 2
+done
+
+previous=$(sed -n 's/^VERSION=//p' "$STATE/last" 2>/dev/null)
+last_outcome=$(sed -n 's/^OUTCOME=//p' "$STATE/last" 2>/dev/null)
+report() {  # report OUTCOME DETAIL: the log, $STATE/last, and gateway/<id>/update on the local broker
+    outcome=$1; detail=$2
+    now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    say "$outcome: slot $slot version $version (before: ${previous:-none}); $detail"
+    printf 'OUTCOME=%s\nSLOT=%s\nVERSION=%s\nPREVIOUS=%s\nAT=%s\nDETAIL=%s\n' "$outcome" "$slot" "$version" \
+        "${previous:-}" "$now" "$detail" > "$STATE/last.new" && mv "$STATE/last.new" "$STATE/last"
+    gateway_id=$(sed -n 's/^[[:space:]]*gateway_id[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' "$CONFIG" | head -1)
+    gateway_id=${gateway_id:-$(hostname)}
+    port=$(sed -n 's/^[[:space:]]*bind[[:space:]]*=[[:space:]]*"127\.0\.0\.1:\([0-9]*\)".*/\1/p' "$CONFIG" | head -1)
+    json=$(printf '{"outcome": "%s", "slot": "%s", "version": "%s", "previous": "%s", "at": "%s", "detail": "%s"}' \
+        "$outcome" "$slot" "$version" "${previous:-}" "$now" "$(echo "$detail" | tr -d '"\\')")
+    if [ -n "$port" ]; then  # retried: the broker may be restarting
+        for _ in 1 2 3 4 5 6 7 8 9 10 11 12; do
+            mosquitto_pub -h 127.0.0.1 -p "$port" -q 1 -r -t "gateway/$gateway_id/update" -m "$json" \
+                2>/run/edge-gateway-health.err && return 0
+            sleep 5
+        done
+        say "could not publish gateway/$gateway_id/update: $(cat /run/edge-gateway-health.err)"
+    fi
+}
+mark() {  # mark good|bad: rauc status mark-good|mark-bad booted, its failure said
+    if ! rauc status "mark-$1" booted > /run/edge-gateway-health.rauc 2>&1; then
+        say "rauc status mark-$1 booted failed: $(tr '\n' ' ' < /run/edge-gateway-health.rauc)"
+        return 1
+    fi
+}
+
+if [ -z "$why" ]; then
+    mark good
+    if [ "$confirmed" != "$version" ]; then
+        echo "$version" > "$STATE/confirmed-$slot.new" && mv "$STATE/confirmed-$slot.new" "$STATE/confirmed-$slot"
+    fi
+    if [ "$last_outcome" = rolling_back ]; then
+        report rolled_back "the update to $previous was not healthy: back on slot $slot"
+    elif [ -n "$primary" ] && [ -n "$booted" ] && [ "$primary" != "$booted" ]; then
+        report rolled_back "booted $booted, not the primary slot $primary: its update did not come up"
+    elif [ -n "$previous" ] && [ "$previous" != "$version" ]; then
+        report updated "healthy: marked good"
+    elif [ ! -e "$STATE/last" ]; then
+        report installed "healthy: marked good"
+    else
+        say "healthy: slot $slot version $version marked good"
+    fi
+    exit 0
+fi
+if [ "$confirmed" = "$version" ]; then
+    say "not healthy ($why), but slot $slot was confirmed with version $version before: marked good, no rollback"
+    mark good
+    exit 1
+fi
+if ! ls "$STATE"/confirmed-* 2>/dev/null | grep -qv "confirmed-$slot\$"; then
+    # the other slot never ran healthy (a new gateway's first boots): there is nothing to roll back to
+    say "not healthy ($why); no other slot was ever confirmed, so slot $slot stays (no rollback)"
+    mark good
+    exit 1
+fi
+report rolling_back "not healthy after ${HEALTH_TIMEOUT}s: $why; marking slot $slot bad and rebooting"
+journalctl -b -u "$GW" -n 20 -o cat --no-pager 2>/dev/null | sed 's/^/edge-gateway-health:   /'
+mark bad
+sync
+systemctl reboot
+exit 1

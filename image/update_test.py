@@ -1,0 +1,332 @@
+#!/usr/bin/env python3
+"""Update the amd64 gateway image in the field, under qemu, through its real boot loader (`make image-update-test`).
+
+The image boots as a board does (OVMF, then GRUB from its EFI system partition choosing the root slot by RAUC's boot
+counting, image/rauc/grub.cfg); RAUC installs signed bundles from a "USB stick" (a second disk, labelled EG-STICK);
+edge-gateway-health.service commits a new slot or rolls it back. The probe (image/probe/probe.sh, in its served mode)
+takes commands over the broker itself (probe/command, through qemu's hostfwd on this host's 127.0.0.1 only) and
+reports on the serial console. qemu runs with -no-reboot, so every reboot of the guest ends a qemu run and the next
+boot is a new run on the same disk: GRUB's state (grubenv) is what carries over, as on a board.
+
+1. v1 (slot A): a persistent session's QoS 1 messages are acknowledged; ``rauc install`` of v2; more messages
+   while the new slot waits; reboot.
+2. v2 boots from slot B, the health check marks it good and reports ``updated`` (v1 -> v2); every acknowledged message
+   is delivered. Refused, with nothing changed: a bundle signed by another key, one for another architecture, a
+   truncated one. Then v3, whose broker cannot start, is installed; reboot.
+3. v3 (slot A): the broker fails, the health check marks the slot bad and reboots.
+4. GRUB falls back to slot B: v2 runs, healthy, and reports ``rolled_back`` (v3 -> v2); nothing acknowledged lost.
+5. A power cut (SIGKILL of qemu) in the middle of ``rauc install``: the next boot is slot B, v2, healthy.
+
+v2 and v3 are the image's own root with a changed /etc/edge-gateway-release (and, for v3, no broker program),
+edited with debugfs on a copy, and signed by image/rauc/bundle.sh with the image's key. Exit status 0 when every
+step held; each step's time is printed.
+
+Usage: update_test.py [--out build/appliance] [--keep-disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from vm_test import ROOT, Vm, arch_config, connect, free_port, log
+
+TOPIC = "update"
+
+
+class Session:
+    """The persistent session (clean_session=0) subscribed to update/#, and a publisher: what was acknowledged
+    before and during the updates must all be delivered after them."""
+
+    def __init__(self) -> None:
+        self.acked: set[int] = set()
+        self.delivered: Counter[int] = Counter()
+        self.seq = 0
+        self.lock = threading.Lock()
+
+    def subscribe(self, port: int) -> None:
+        client = connect(port, "update-sub", clean=False, seconds=120)
+        done = threading.Event()
+        client.on_subscribe = lambda *a: done.set()
+        client.subscribe(f"{TOPIC}/#", qos=1)
+        if not done.wait(60):
+            raise RuntimeError("no SUBACK for update/#")
+        client.disconnect()
+        client.loop_stop()
+
+    def publish(self, port: int, n: int) -> None:
+        """``n`` numbered QoS 1 messages, each waited for until acknowledged."""
+        client = connect(port, "update-pub", clean=True, seconds=120)
+        try:
+            infos = []
+            for _ in range(n):
+                self.seq += 1
+                infos.append((self.seq, client.publish(f"{TOPIC}/t", str(self.seq), qos=1)))
+            for seq, info in infos:
+                info.wait_for_publish(60)
+                if info.is_published():
+                    self.acked.add(seq)
+        finally:
+            client.disconnect()
+            client.loop_stop()
+
+    def drain(self, port: int, seconds: float = 120) -> list[int]:
+        """Reconnect the session and collect until every acknowledged message is there; the missing ones."""
+
+        def on_message(c: mqtt.Client, u: object, msg: mqtt.MQTTMessage) -> None:
+            with self.lock:
+                self.delivered[int(msg.payload)] += 1
+
+        client = connect(port, "update-sub", clean=False, seconds=120, on_message=on_message)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with self.lock:
+                if not self.acked - self.delivered.keys():
+                    break
+            time.sleep(0.2)
+        time.sleep(1)
+        client.disconnect()
+        client.loop_stop()
+        with self.lock:
+            return sorted(self.acked - self.delivered.keys())
+
+
+def command(vm: Vm, text: str) -> None:
+    """One command to the probe (QoS 1 on probe/command through the forwarded port)."""
+    client = connect(vm.port, "update-test-cmd", clean=True, seconds=60)
+    try:
+        client.publish("probe/command", text, qos=1).wait_for_publish(30)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def ask(vm: Vm, text: str, answer: str, seconds: float) -> str:
+    """Send ``text`` and wait for the probe line starting with ``answer``; ``slot`` is repeated until the probe's
+    subscription is there (it is idempotent), other commands are sent once after that."""
+    if text == "slot":
+        end = time.monotonic() + seconds
+        while True:
+            command(vm, text)
+            try:
+                return vm.wait_for(answer, 5)
+            except RuntimeError:
+                if time.monotonic() > end:
+                    raise
+    command(vm, text)
+    return vm.wait_for(answer, seconds)
+
+
+def debugfs(image: Path, *requests: str) -> None:
+    """Edit an ext4 image without mounting it."""
+    for request in requests:
+        proc = subprocess.run(["debugfs", "-w", "-R", request, str(image)], capture_output=True, text=True)
+        if proc.returncode != 0 or "rror" in proc.stderr:
+            raise RuntimeError(f"debugfs {request!r} on {image}: {proc.stderr.strip()}")
+
+
+def make_root(base: Path, dest: Path, version: str, broken: bool) -> None:
+    """A copy of the image's root with VERSION=``version`` (and without the broker program when ``broken``)."""
+    subprocess.run(["cp", "--sparse=always", str(base), str(dest)], check=True)
+    release = dest.with_suffix(".release")
+    release.write_text(f"VERSION={version}\nARCH=amd64\n")
+    debugfs(dest, "rm /etc/edge-gateway-release", f"write {release} /etc/edge-gateway-release")
+    if broken:
+        debugfs(dest, "rm /opt/edge-gateway/bin/edge-gateway")
+
+
+def bundle(out: Path, root: Path, version: str, dest: Path, compatible: str = "edge-gateway-amd64",
+           env: dict[str, str] | None = None) -> None:
+    subprocess.run([str(ROOT / "image" / "rauc" / "bundle.sh"), "--root", str(root), "--version", version,
+                    "--compatible", compatible, "--out", str(dest)], check=True, env={**os.environ, **(env or {}),
+                                                                                      "IMAGE_OUT": str(out)},
+                   stdout=subprocess.DEVNULL)
+
+
+def make_stick(out: Path, work: Path, v1: str) -> tuple[Path, dict[str, str]]:
+    """The bundles on a stick image; their versions by file name."""
+    stick_dir = work / "stick"
+    shutil.rmtree(stick_dir, ignore_errors=True)
+    stick_dir.mkdir(parents=True)
+    base = out / "edge-gateway-amd64-root.ext4"
+    versions = {"v2.raucb": f"{v1}+v2", "v3.raucb": f"{v1}+v3-broken"}
+    for name, broken in (("v2.raucb", False), ("v3.raucb", True)):
+        root = work / f"{name}.ext4"
+        make_root(base, root, versions[name], broken)
+        bundle(out, root, versions[name], stick_dir / name)
+        root.unlink()
+    # The refusals need no real root: a small file system, signed with another key or for another architecture.
+    small = work / "small.ext4"
+    (work / "small").mkdir(exist_ok=True)
+    (work / "small" / "noise").write_bytes(os.urandom(64 * 1024))  # RAUC wants a squashfs of more than one block
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", str(work / "small"), str(small), "8M"], check=True)
+    other = work / "other-key"
+    other.mkdir(exist_ok=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "30", "-subj", "/O=not the fleet's key", "-keyout", str(other / "key.pem"),
+                    "-out", str(other / "cert.pem")], check=True, capture_output=True)
+    bundle(out, small, "9.9.9", stick_dir / "other-key.raucb",
+           env={"IMAGE_SIGNING_CERT": str(other / "cert.pem"), "IMAGE_SIGNING_KEY": str(other / "key.pem")})
+    bundle(out, small, "9.9.9", stick_dir / "arm64.raucb", compatible="edge-gateway-arm64")
+    full = (stick_dir / "v2.raucb").read_bytes()
+    (stick_dir / "truncated.raucb").write_bytes(full[: len(full) // 2])
+    stick = work / "stick.img"
+    size = sum(f.stat().st_size for f in stick_dir.iterdir()) // (1 << 20) + 64
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "EG-STICK", "-d", str(stick_dir), str(stick), f"{size}M"],
+                   check=True)
+    shutil.rmtree(stick_dir)
+    return stick, versions
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
+    parser.add_argument("--boot-timeout", type=float, default=900.0, help="hard limit of one qemu run, seconds")
+    parser.add_argument("--keep-disk", action="store_true")
+    args = parser.parse_args()
+    out: Path = args.out
+    arch = arch_config("amd64", "", out)
+    for tool in ("qemu-system-x86_64", "rauc", "mksquashfs", "debugfs", "mkfs.ext4"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"image-update-test: {tool} is missing: make image-deps")
+    if not Path(arch.disk).is_file():
+        raise SystemExit(f"image-update-test: {arch.disk} is missing: make image")
+    v1 = (out / "edge-gateway-amd64.version").read_text().strip()
+    work = out / "update-test"
+    work.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    times: list[tuple[str, float]] = []
+    t0 = time.monotonic()
+    stick, versions = make_stick(out, work, v1)
+    times.append(("bundles and stick", time.monotonic() - t0))
+    disk = work / "disk.img"
+    subprocess.run(["cp", "--sparse=always", arch.disk, str(disk)], check=True)
+    Path(str(disk) + ".efivars").unlink(missing_ok=True)
+    session = Session()
+    served = "edge_gateway.probe=1 edge_gateway.powercut=again"
+    vm: Vm | None = None
+    boot_n = 0
+
+    def boot(params: str, port: bool = True) -> Vm:
+        nonlocal boot_n
+        boot_n += 1
+        serial = work / f"serial-boot{boot_n}.log"
+        machine = Vm(arch, disk, serial, serial.with_suffix(".trace"), params, args.boot_timeout,
+                     free_port() if port else 0, drives=[stick])
+        machine.start()
+        return machine
+
+    def expect(line: str, *parts: str) -> None:
+        for part in parts:
+            if part not in line:
+                failures.append(f"expected {part!r} in {line!r}")
+
+    def step(name: str, start: float) -> None:
+        times.append((name, time.monotonic() - start))
+        log(f"step {name}: {times[-1][1]:.0f} s")
+
+    try:
+        # 1. v1 on slot A: messages, install v2, more messages, reboot
+        start = time.monotonic()
+        vm = boot(served)
+        vm.wait_for("SERVING", args.boot_timeout)
+        session.subscribe(vm.port)
+        session.publish(vm.port, 50)
+        expect(ask(vm, "slot", "SLOT", 120), "booted=A", f"version={v1}")
+        expect(ask(vm, "install v2.raucb", "INSTALLED", 900), "v2.raucb")
+        session.publish(vm.port, 50)
+        command(vm, "reboot")
+        vm.wait_exit(300)
+        step("v1: install v2", start)
+
+        # 2. v2 on slot B: healthy, updated; refusals; install v3
+        start = time.monotonic()
+        vm = boot(served)
+        vm.wait_for("SERVING", args.boot_timeout)
+        expect(ask(vm, "slot", "SLOT", 120), "booted=B", "primary=B", f"version={versions['v2.raucb']}")
+        expect(ask(vm, "health", "HEALTH", 900), "OUTCOME=updated", f"VERSION={versions['v2.raucb']}",
+               f"PREVIOUS={v1}")
+        lost = session.drain(vm.port)
+        if lost:
+            failures.append(f"after the update to v2: {len(lost)} acknowledged messages lost: {lost[:20]}")
+        log(f"v2: {len(session.acked)} acknowledged before and during the update, all delivered: {not lost}")
+        for bad, why in (("other-key.raucb", "signature"), ("arm64.raucb", "ompatible"),
+                         ("truncated.raucb", "")):
+            line = ask(vm, f"install {bad}", "REFUSED", 300)
+            expect(line, bad, why)
+        expect(ask(vm, "slot", "SLOT", 60), "booted=B", "primary=B")
+        session.publish(vm.port, 50)
+        expect(ask(vm, "install v3.raucb", "INSTALLED", 900), "v3.raucb")
+        command(vm, "reboot")
+        vm.wait_exit(300)
+        step("v2: healthy, 3 refusals, install v3", start)
+
+        # 3. v3 on slot A: the broker cannot start; the health check marks it bad and reboots
+        start = time.monotonic()
+        vm = boot("", port=False)
+        rc = vm.wait_exit(args.boot_timeout)
+        text = vm.serial.read_text(errors="replace")
+        if "rolling_back" not in text:
+            failures.append(f"v3: no rolling_back from edge-gateway-health (qemu exit {rc})")
+        step("v3: broken, marked bad", start)
+
+        # 4. back on slot B: v2, healthy, rolled_back reported, nothing lost
+        start = time.monotonic()
+        vm = boot(served)
+        vm.wait_for("SERVING", args.boot_timeout)
+        expect(ask(vm, "slot", "SLOT", 120), "booted=B", f"version={versions['v2.raucb']}")
+        expect(ask(vm, "health", "HEALTH", 900), "OUTCOME=rolled_back", f"VERSION={versions['v2.raucb']}",
+               f"PREVIOUS={versions['v3.raucb']}")
+        lost = session.drain(vm.port)
+        if lost:
+            failures.append(f"after the rollback: {len(lost)} acknowledged messages lost: {lost[:20]}")
+        step("rolled back to v2", start)
+
+        # 5. a power cut in the middle of rauc install: the old slot boots, healthy
+        start = time.monotonic()
+        command(vm, "install v2.raucb")
+        time.sleep(20)
+        vm.kill()
+        vm = boot(served)
+        vm.wait_for("SERVING", args.boot_timeout)
+        expect(ask(vm, "slot", "SLOT", 120), "booted=B", f"version={versions['v2.raucb']}")
+        expect(ask(vm, "health", "HEALTH", 900), "HEALTH success",
+               f"VERSION={versions['v2.raucb']}")
+        lost = session.drain(vm.port)
+        if lost:
+            failures.append(f"after the power cut: {len(lost)} acknowledged messages lost: {lost[:20]}")
+        step("power cut during install: old slot", start)
+    except RuntimeError as exc:
+        failures.append(str(exc))
+    finally:
+        if vm is not None:
+            vm.kill()
+        for path in work.glob("*.trace"):
+            path.unlink(missing_ok=True)
+        if not failures and not args.keep_disk:
+            for path in (disk, Path(str(disk) + ".efivars"), stick):
+                path.unlink(missing_ok=True)
+    for name, seconds in times:
+        log(f"time {name}: {seconds:.0f} s")
+    log(f"messages: {len(session.acked)} acknowledged, {len(session.delivered)} delivered, "
+        f"{sum(c - 1 for c in session.delivered.values())} duplicates")
+    for failure in failures:
+        log(f"FAIL {failure}")
+    if failures:
+        log(f"serial logs and the disk are kept in {work}")
+        return 1
+    log("update test passed: v1 -> v2 updated, 3 bundles refused, v3 rolled back to v2, power cut during install "
+        "kept v2; nothing acknowledged lost")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
