@@ -439,6 +439,27 @@ def test_mqtt_3_11_3_1_v5_unsuback_reason_codes_0x00_and_0x11(raw: Open, uid: st
     assert sub.until(marker) == []
 
 
+@VERSIONS
+def test_mqtt_3_11_3_2_unsuback_0x8f_for_an_invalid_topic_filter_and_the_connection_stays(raw: Open, uid: str,
+                                                                                          version: int) -> None:
+    """[MQTT-3.11.3-2] (5.0) and MQTT 5.0 §3.11.3: an UNSUBSCRIBE Topic Filter no SUBSCRIBE could have made
+    ('#' not last or not alone [MQTT-4.7.1-2], '+' sharing a level [MQTT-4.7.1-3], a broken Shared Subscription
+    [MQTT-4.8.2-1] [MQTT-4.8.2-2]) gets 0x8F Topic Filter invalid, as SUBACK does, beside 0x00 and 0x11 for the
+    valid ones, in order; nothing is deleted by it and the connection stays. 3.1.1 (MQTT-3.10.4-4, MQTT-3.10.4-5):
+    the UNSUBACK, which has no codes, and the connection stays too."""
+    sub = raw(f"{uid}-s", version)
+    marker = f"{uid}/marker"
+    assert sub.subscribe(f"{uid}/a", marker) == [2, 2]
+    filters = ["#/test/topic", f"{uid}/a", f"{uid}/b+", "$share//x", "$share/g/#/x", "$share/g", f"{uid}/nothing"]
+    expected = [0x8F, 0x00, 0x8F, 0x8F, 0x8F, 0x8F, 0x11] if version == V5 else []
+    assert sub.unsubscribe(*filters) == expected
+    pub = raw(f"{uid}-p", version)
+    pub.publish(f"{uid}/a", b"gone", qos=1)
+    pub.publish(marker, b"m", qos=1)
+    assert sub.until(marker) == []  # the valid filter was unsubscribed; the connection is still served
+    assert sub.unsubscribe(marker) == ([0x00] if version == V5 else [])
+
+
 @PAHO_VERSIONS
 def test_mqtt_3_10_4_2_paho_no_messages_after_unsubscribe(paho: Callable[..., PahoClient], uid: str,
                                                           protocol: mqtt.MQTTProtocolVersion) -> None:
