@@ -168,6 +168,18 @@ def test_set_delete_and_save_keep_comments_and_are_atomic(tmp_path: Path) -> Non
         pf.set("eve", "")
 
 
+def test_a_zero_length_password_matches_no_entry_not_even_one_hashed_from_it() -> None:
+    """A zero-length password counts as none, as Mosquitto reads it: :meth:`PasswordFile.verify` refuses it for
+    every user, also for an entry that is the hash of the empty password (which ``mosquitto_passwd -b F U ""``
+    writes); :meth:`PasswordFile.empty_password_entries` names such entries by line, and only them."""
+    eve = PasswordHash.create("")
+    assert eve.verify(b"")  # the entry really is the hash of the empty password
+    pf = PasswordFile.parse(f"# operators\nalice:{PasswordHash.create('a').encode()}\neve:{eve.encode()}\n")
+    assert not pf.verify("eve", b"") and not pf.verify("eve", "") and not pf.verify("alice", b"")
+    assert pf.verify("alice", "a") and not pf.verify("eve", "a")
+    assert pf.empty_password_entries() == [(3, "eve")]
+
+
 def test_an_unknown_user_takes_as_long_as_a_wrong_password() -> None:
     """With a costly hash (200,000 PBKDF2 rounds, tens of ms) a failure for an unknown user takes the time of a
     wrong password: without the dummy hash it would return at once."""

@@ -22,10 +22,12 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
+from auth_helpers import MosquittoBroker
 from bystanders import QoS1Pair
 from helpers import BrokerProcess, RawClient, wait_until
 from paho.mqtt.enums import CallbackAPIVersion
 
+from gateway.auth.passwd import PasswordFile
 from gateway.mqtt.packets import (
     Connack,
     Disconnect,
@@ -144,6 +146,35 @@ def test_mqtt_3_1_4_2_bad_password_unknown_user_and_anonymous_are_refused(broker
     raw.close()
     pair.finish()
     assert "CONNECT refused (0x86 BAD_USER_NAME_OR_PASSWORD)" in broker.log()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_mqtt_3_1_4_2_zero_length_password_counts_as_none_and_is_refused(tmp_path: Path, version: int) -> None:
+    """MQTT-3.1.4-2 / MQTT-3.2.2-7 with a zero-length Password: it counts as no Password, as in Mosquitto, so it
+    is refused with CONNACK 0x86 (3.1.1: return code 4) and the close, also for a user whose entry
+    (``mosquitto_passwd -b FILE eve ""``) is the hash of the empty password; eve with no Password at all likewise,
+    while alice with hers gets in. A real Mosquitto (2.0) refuses eve's empty Password too. A pair of QoS 1 clients
+    beside it loses nothing."""
+    _passwd(tmp_path / "passwd", "alice", "alice-pw", create=True)
+    _passwd(tmp_path / "passwd", "eve", "")
+    assert PasswordFile.load(tmp_path / "passwd").empty_password_entries() == [(2, "eve")]
+    (tmp_path / "acl").write_text(ACL)
+    proc = BrokerProcess(_config(tmp_path), workdir=str(tmp_path)).start()
+    try:
+        pair = _bystanders(proc, f"auth-empty-v{version}")
+        for user, password in (("eve", b""), ("alice", b""), ("eve", None)):
+            raw, ack = _client(proc, version, user, f"empty-{user}", password=password)
+            _refused(raw, ack, version, 0x86, 4)
+        raw, ack = _client(proc, version, "alice", "empty-alice")
+        assert ack.reason_code == 0 and _alive(raw)
+        raw.close()
+        pair.finish()
+    finally:
+        assert proc.stop() == 0, proc.log()
+    with MosquittoBroker(tmp_path, f"allow_anonymous false\npassword_file {tmp_path / 'passwd'}\n") as mosquitto:
+        raw = RawClient(mosquitto.port, version=version)
+        assert raw.connect("empty-eve", username="eve", password=b"").reason_code != 0, mosquitto.log()
+        raw.close()
 
 
 def test_paho_and_mosquitto_clients_with_user_name_and_password(broker: BrokerProcess, tmp_path: Path) -> None:
@@ -380,6 +411,26 @@ def _check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]
     path.write_text(text)
     return subprocess.run([sys.executable, "-m", "gateway", "check-config", str(path)], capture_output=True,
                           text=True, timeout=30)
+
+
+def test_check_config_warns_of_a_password_entry_only_an_empty_password_matches(tmp_path: Path) -> None:
+    """``check-config`` names the file, the line and the user of an entry hashed from the empty password (which
+    ``mosquitto_passwd -b FILE USER ""`` writes): a zero-length Password is refused, so that user cannot connect.
+    Entries with a password are not named; the configuration is still valid (exit 0)."""
+    path = tmp_path / "passwd"
+    _passwd(path, "alice", "alice-pw", create=True)
+    _passwd(path, "eve", "")
+    path.write_text("# operators\n" + path.read_text())
+    result = _check_config(tmp_path, f"""
+[listeners.x]
+bind = "127.0.0.1:1883"
+password_file = "{path}"
+""")
+    assert result.returncode == 0, result.stderr
+    warning = (f"WARNING: {path}:3: user 'eve' has the hash of an empty password, which is refused (a zero-length "
+               "Password counts as none), so this user cannot connect; set a password with 'edge-gateway passwd'")
+    assert f"password_file {path} (2 users), {warning}" in result.stdout, result.stdout
+    assert result.stdout.count("WARNING") == 1, result.stdout
 
 
 def test_allow_anonymous_defaults_by_bind_address_and_files_are_checked(tmp_path: Path) -> None:

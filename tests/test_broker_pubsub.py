@@ -31,6 +31,8 @@ from gateway import __version__
 from gateway.mqtt.packets import (
     Disconnect,
     Packet,
+    PingReq,
+    PingResp,
     PubAck,
     PubComp,
     Publish,
@@ -46,6 +48,7 @@ from gateway.mqtt.properties import PropertyId as P
 
 PacketT = TypeVar("PacketT")
 
+V31 = 3
 V311 = 4
 V5 = 5
 VERSIONS = pytest.mark.parametrize("version", [V311, V5], ids=["v311", "v5"])
@@ -434,6 +437,27 @@ def test_mqtt_3_11_3_1_v5_unsuback_reason_codes_0x00_and_0x11(raw: Open, uid: st
     assert pub.publish(f"{uid}/b/c", b"x", qos=1) == 0x10
     pub.publish(marker, b"m", qos=1)
     assert sub.until(marker) == []
+
+
+@VERSIONS
+def test_mqtt_3_11_3_2_unsuback_0x8f_for_an_invalid_topic_filter_and_the_connection_stays(raw: Open, uid: str,
+                                                                                          version: int) -> None:
+    """[MQTT-3.11.3-2] (5.0) and MQTT 5.0 §3.11.3: an UNSUBSCRIBE Topic Filter no SUBSCRIBE could have made
+    ('#' not last or not alone [MQTT-4.7.1-2], '+' sharing a level [MQTT-4.7.1-3], a broken Shared Subscription
+    [MQTT-4.8.2-1] [MQTT-4.8.2-2]) gets 0x8F Topic Filter invalid, as SUBACK does, beside 0x00 and 0x11 for the
+    valid ones, in order; nothing is deleted by it and the connection stays. 3.1.1 (MQTT-3.10.4-4, MQTT-3.10.4-5):
+    the UNSUBACK, which has no codes, and the connection stays too."""
+    sub = raw(f"{uid}-s", version)
+    marker = f"{uid}/marker"
+    assert sub.subscribe(f"{uid}/a", marker) == [2, 2]
+    filters = ["#/test/topic", f"{uid}/a", f"{uid}/b+", "$share//x", "$share/g/#/x", "$share/g", f"{uid}/nothing"]
+    expected = [0x8F, 0x00, 0x8F, 0x8F, 0x8F, 0x8F, 0x11] if version == V5 else []
+    assert sub.unsubscribe(*filters) == expected
+    pub = raw(f"{uid}-p", version)
+    pub.publish(f"{uid}/a", b"gone", qos=1)
+    pub.publish(marker, b"m", qos=1)
+    assert sub.until(marker) == []  # the valid filter was unsubscribed; the connection is still served
+    assert sub.unsubscribe(marker) == ([0x00] if version == V5 else [])
 
 
 @PAHO_VERSIONS
@@ -867,6 +891,72 @@ def test_mqtt_4_3_3_10_v5_qos2_receiver_dedups_and_delivers_on_pubrel(raw: Open,
 def test_mqtt_4_3_3_2_v311_qos2_receiver_dedups_and_delivers_on_pubrel(raw: Open, uid: str) -> None:
     """[MQTT-4.3.3-2] (3.1.1), seed 003: the QoS 2 receiver flow of the 5.0 test above, on 3.1.1."""
     _qos2_receiver_flow(raw, uid, V311)
+
+
+@pytest.mark.parametrize("version", [V31, V311, V5], ids=["v31", "v311", "v5"])
+def test_mqtt_3_1_pubrel_with_dup_after_reconnect_completes_the_qos2_flow(raw: Open, uid: str, version: int) -> None:
+    """MQTT 3.1 §2.1 (DUP is set when a PUBREL is re-sent) and §3.6, beside 3.1.1 MQTT-3.6.1-1 / MQTT-4.3.3-2 and
+    5.0 [MQTT-3.6.1-1] / [MQTT-4.3.3-11]: a persistent publisher loses its connection after PUBREC, reconnects,
+    re-sends the PUBLISH with DUP (PUBREC again) and sends PUBREL (PUBCOMP); it loses that connection too, as if
+    PUBCOMP had not arrived, reconnects and re-sends PUBREL: a 3.1 client with DUP (0x6A), a 3.1.1 or 5.0 client
+    as 0x62, the only PUBREL they have [MQTT-2.1.3-1]. Each gets PUBCOMP (5.0: 0x92, the identifier was
+    released), so the flow finishes, and the subscriber gets the message exactly once. At 3.1.1 and 5.0 a PUBREL
+    with DUP is still a Malformed Packet (5.0 DISCONNECT 0x81, then the close)."""
+    topic, marker = f"{uid}/t", f"{uid}/marker"
+    cid = f"pubrel{version}-{time.monotonic_ns() % 10**12}"  # MQTT 3.1: at most 23 characters
+    session: dict[str, Any] = {"properties": {P.SESSION_EXPIRY_INTERVAL: 300}} if version == V5 else {}
+    sub = raw(f"{uid}-s", V311)
+    assert sub.subscribe(topic, marker) == [2, 2]
+
+    pub = raw(cid, version, clean_start=False, **session)
+    pub.send(Publish(topic, b"once", 2, False, False, 1))
+    assert pub.expect(PubRec) == PubRec(1)
+    pub.client.close()  # the connection is lost after PUBREC
+    pub = raw(cid, version, clean_start=False, **session)
+    pub.send(Publish(topic, b"once", 2, False, True, 1))  # the PUBLISH again, DUP=1
+    assert pub.expect(PubRec) == PubRec(1)
+    pub.send(PubRel(1))
+    assert pub.expect(PubComp) == PubComp(1)
+    pub.client.close()  # ... and again after PUBCOMP, which the client counts as lost
+    pub = raw(cid, version, clean_start=False, **session)
+    resent = b"\x6a" if version == V31 else b"\x62"
+    pub.send(resent + b"\x02\x00\x01")  # PUBREL, Packet Identifier 1, re-sent
+    assert pub.expect(PubComp) == PubComp(1, 0x92 if version == V5 else 0)
+
+    [msg] = sub.publishes(1)
+    assert (msg.topic, msg.payload) == (topic, b"once")
+    raw(f"{uid}-m", V311).publish(marker, b"m")
+    assert sub.until(marker) == []  # delivered exactly once
+
+    if version == V31:
+        pub.send(PingReq())
+        assert pub.expect(PingResp) == PingResp()  # the connection goes on
+    else:
+        pub.send(b"\x6a\x02\x00\x01")
+        assert pub.client.closed_by_server()
+        after = pub.client.recv_all(0.05)
+        codes = [p.reason_code for p in after if isinstance(p, Disconnect)]
+        assert (codes, len(after)) == (([0x81], 1) if version == V5 else ([], 0)), after
+    raw(cid, version).disconnect()  # Clean Session / Clean Start 1: the session is discarded
+
+
+def test_mqtt_3_1_subscribe_and_unsubscribe_resent_with_dup_are_answered(raw: Open, uid: str) -> None:
+    """MQTT 3.1 §2.1 (DUP is set when a SUBSCRIBE or UNSUBSCRIBE is re-sent), §3.8, §3.10: a 3.1 client's
+    SUBSCRIBE (0x8A) and UNSUBSCRIBE (0xAA) with DUP get their SUBACK and UNSUBACK, and the subscription works in
+    between; a flag 3.1 calls "not used" is still checked: a PUBACK with DUP (0x48) closes the connection."""
+    topic = f"{uid}/t"
+    c = raw(f"dup31-{time.monotonic_ns() % 10**12}", V31)
+    body = Subscribe(7, [Subscription(topic, 1)]).encode(V31)
+    c.send(b"\x8a" + body[1:])
+    assert c.expect(Suback) == Suback(7, [1])
+    raw(f"{uid}-p", V311).publish(topic, b"hello", qos=1)
+    [msg] = c.publishes(1)
+    assert (msg.topic, msg.payload, msg.qos) == (topic, b"hello", 1)
+    body = Unsubscribe(8, [topic]).encode(V31)
+    c.send(b"\xaa" + body[1:])
+    assert c.expect(Unsuback) == Unsuback(8)
+    c.send(b"\x48\x02\x00\x09")
+    assert c.client.closed_by_server()
 
 
 @pytest.mark.parametrize(("version", "reason"), [(V311, 0), (V5, 0x92)], ids=["v311", "v5"])

@@ -117,6 +117,25 @@ def test_interactive_prompt_asks_twice_without_echo(tmp_path: Path) -> None:
     assert PasswordFile.load(path).verify("alice", "typed secret")
 
 
+def test_passwd_refuses_an_empty_password_from_every_source(tmp_path: Path) -> None:
+    """A zero-length password is refused at CONNECT (it counts as none), so ``passwd`` refuses to set one, from
+    ``-b``, ``--password-stdin`` and the prompt alike: exit status 1, "the password is empty", and the file is not
+    created (``-c``) or not changed."""
+    path = tmp_path / "passwd"
+    r = run("-c", "-b", str(path), "alice", "")
+    assert r.returncode == 1 and "the password is empty" in r.stderr and not path.exists()
+    assert run("-c", "-b", str(path), "alice", "a-pw").returncode == 0
+    before = path.read_bytes()
+    r = run("-b", str(path), "alice", "")
+    assert r.returncode == 1 and "the password is empty" in r.stderr
+    r = run("--password-stdin", str(path), "bob", stdin="\n")
+    assert r.returncode == 1 and "the password is empty" in r.stderr
+    code, out = _pty_run([*CMD, str(path), "alice"], ["", ""])
+    assert code == 1 and "the password is empty" in out, out
+    assert path.read_bytes() == before
+    assert PasswordFile.load(path).verify("alice", "a-pw")
+
+
 @pytest.mark.skipif(shutil.which("mosquitto_passwd") is None, reason="mosquitto_passwd is not installed")
 def test_mosquitto_passwd_and_mosquitto_read_what_it_writes(tmp_path: Path) -> None:
     """mosquitto_passwd edits our file (adds a user), we edit it again, and a real mosquitto logs both users in."""

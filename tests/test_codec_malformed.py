@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 from gateway.mqtt.errors import MalformedPacket, MQTTError, PacketTooLarge, ProtocolError, UnsupportedProtocolVersion
 from gateway.mqtt.framing import ABSOLUTE_MAX_PACKET_SIZE, PacketReader
 from gateway.mqtt.packets import (
+    PUBREL,
+    SUBSCRIBE,
+    UNSUBSCRIBE,
     Auth,
     Connack,
     Connect,
@@ -45,6 +48,7 @@ from gateway.mqtt.properties import PropertyId, decode_properties
 from gateway.mqtt.reason_codes import ReasonCode
 
 P = PropertyId
+V31 = 3
 V311 = 4
 V5 = 5
 BOTH = pytest.mark.parametrize("version", [V311, V5])
@@ -315,6 +319,26 @@ def test_mqtt_2_1_3_1_reserved_flags_malformed(ptype: int) -> None:
             continue
         malformed(frame(ptype << 4 | flags, body5), V5)
         malformed(frame(ptype << 4 | flags, body311), V311)
+
+
+@pytest.mark.parametrize("ptype", sorted(set(VALID_BODIES) - {15}))
+def test_mqtt_3_1_dup_on_resent_pubrel_subscribe_unsubscribe_decodes_at_level_3_only(ptype: int) -> None:
+    """MQTT 3.1 §2.1: DUP is set when a PUBREL, SUBSCRIBE or UNSUBSCRIBE is re-sent, so at Protocol Level 3 these
+    three also decode with DUP + QoS 1 (0b1010), to the same packet as without DUP. 3.1 fixes their QoS at 1 and
+    calls the other types' flags "not used" (its senders leave them 0): every other nibble is as malformed at level
+    3 as at 3.1.1. At 3.1.1 and 5.0 [MQTT-2.1.3-1] refuses 0b1010 too."""
+    required, body311, body5 = VALID_BODIES[ptype]
+    plain = feed(frame(ptype << 4 | required, body311), V311)
+    for flags in range(16):
+        if flags == required:
+            continue
+        data = frame(ptype << 4 | flags, body311)
+        if ptype in (PUBREL, SUBSCRIBE, UNSUBSCRIBE) and flags == 0x0A:
+            assert feed(data, V31) == plain
+            malformed(data, V311)
+            malformed(frame(ptype << 4 | flags, body5), V5)
+        else:
+            malformed(data, V31)
 
 
 @BOTH

@@ -401,13 +401,16 @@ def test_packets_not_consumed_stay_buffered() -> None:
 
 @ROUNDTRIP
 @given(connect=connects(3))
-def test_roundtrip_mqtt_3_1_connect_sets_reader_to_3_1_1_format(connect: Connect) -> None:
-    """MQTT 3.1 (MQIsdp, level 3) CONNECT round-trips; the connection then speaks the 3.1.1 wire format."""
+def test_roundtrip_mqtt_3_1_connect_sets_reader_to_level_3_in_the_3_1_1_format(connect: Connect) -> None:
+    """MQTT 3.1 (MQIsdp, level 3) CONNECT round-trips; the reader then decodes at level 3, which is the 3.1.1 wire
+    format (no properties, no reason codes) but for the fixed-header flags MQTT 3.1 allows."""
     wire = connect.encode()
     assert wire[2:10] == b"\x00\x06MQIsdp"
     reader = PacketReader(version=V5)
     assert list(reader.feed(wire)) == [connect]
-    assert reader.version == V311
+    assert reader.version == 3
+    later = [Publish("a/b", b"x", 1, False, False, 7), PubRel(7), Subscribe(8, [Subscription("a/#", 1)])]
+    assert list(reader.feed(b"".join(p.encode(V311) for p in later))) == later
 
 
 @pytest.mark.parametrize(("name", "version"), CASES, ids=[f"{n}-v{v}" for n, v in CASES])

@@ -65,7 +65,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Issued]:
 
 
 def broker_config(pki: dict[str, Issued], event_loop: str) -> str:
-    """Plaintext loopback listener ``plain``, server-only TLS ``tls`` and client-certificate TLS ``mtls``."""
+    """Plaintext loopback listener ``plain``, server-only TLS ``tls``, client-certificate TLS ``mtls`` and
+    client-certificate WebSocket-over-TLS ``mwss``."""
     server = pki["server"]
     return f"""
 [broker]
@@ -87,6 +88,14 @@ cafile = "{pki["ca"].cert}"
 require_certificate = true
 use_identity_as_username = true
 connect_timeout = "{CONNECT_TIMEOUT}s"
+[listeners.mwss]
+bind = "127.0.0.1:0"
+protocol = "websockets"
+certfile = "{server.cert}"
+keyfile = "{server.key}"
+cafile = "{pki["ca"].cert}"
+require_certificate = true
+connect_timeout = "{CONNECT_TIMEOUT}s"
 """
 
 
@@ -95,7 +104,7 @@ def tls_broker(
     request: pytest.FixtureRequest, pki: dict[str, Issued], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BrokerProcess]:
     proc = BrokerProcess(broker_config(pki, request.param), workdir=str(tmp_path_factory.mktemp("tls"))).start()
-    assert set(proc.ports) == {"plain", "tls", "mtls"}, proc.log()
+    assert set(proc.ports) == {"plain", "tls", "mtls", "mwss"}, proc.log()
     yield proc
     assert proc.stop() == 0, proc.log()
 
@@ -335,6 +344,89 @@ def test_hostile_tls_clients_are_closed_with_one_log_line_each_and_bystanders_lo
         assert all(line.rstrip().endswith("closed") for line in lines), lines
     finally:
         assert proc.stop() == 0, proc.log()
+
+
+# --- TLS alerts: a refused client certificate is told why (RFC 8446 §6.2, RFC 5246 §7.2) ---------------------
+
+#: The alert OpenSSL sends for each refusal, as the client's ``ssl.SSLError.reason`` names it, by TLS version:
+#: certificate_expired (45), unknown_ca (48), and for no certificate handshake_failure (40) in TLS 1.2,
+#: certificate_required (116) in TLS 1.3.
+REFUSAL_ALERTS = {
+    ("expired", "TLSv1_2"): "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+    ("expired", "TLSv1_3"): "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+    ("untrusted", "TLSv1_2"): "TLSV1_ALERT_UNKNOWN_CA",
+    ("untrusted", "TLSv1_3"): "TLSV1_ALERT_UNKNOWN_CA",
+    ("none", "TLSv1_2"): "SSLV3_ALERT_HANDSHAKE_FAILURE",
+    ("none", "TLSv1_3"): "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+}
+#: What the client sends once its side of the handshake is done, by listener: MQTT CONNECT, or the WebSocket upgrade.
+FIRST_BYTES = {
+    "mtls": CONNECT,
+    "mwss": b"GET /mqtt HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+    b"Sec-WebSocket-Protocol: mqtt\r\n\r\n",
+}
+
+
+def refusal_seen_by_client(port: int, pki: dict[str, Issued], cert: Issued | None, version: ssl.TLSVersion,
+                           first: bytes) -> ssl.SSLError:
+    """A TLS client (the ``ssl`` module, only ``version``) that presents ``cert`` and, once its side of the
+    handshake is done, sends ``first`` and reads: the :class:`ssl.SSLError` it gets. TLS 1.2 fails in the
+    handshake; in TLS 1.3 the server checks the client certificate after the client's Finished, so the alert is
+    read with the first record. Fails if the client gets anything else (data, a bare EOF, a reset)."""
+    ctx = ssl.create_default_context(cafile=str(pki["ca"].cert))
+    ctx.minimum_version = ctx.maximum_version = version
+    if cert is not None:
+        ctx.load_cert_chain(str(cert.cert), str(cert.key))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        try:
+            with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+                tls.sendall(first)
+                data = tls.recv(100)
+        except ssl.SSLError as exc:
+            return exc
+    raise AssertionError(f"no TLS alert: the client read {data!r}")
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3], ids=["tls1.2", "tls1.3"])
+@pytest.mark.parametrize("listener", ["mtls", "mwss"])
+def test_rfc8446_6_2_refused_client_certificate_gets_the_alert_naming_why(
+    tls_broker: BrokerProcess, pki: dict[str, Issued], listener: str, version: ssl.TLSVersion
+) -> None:
+    """RFC 8446 §6.2 / RFC 5246 §7.2: the side that detects an error sends the alert before it closes. An expired
+    client certificate, one from an unknown CA and none at all on a ``require_certificate`` listener (MQTT and
+    WebSocket-over-TLS, on each event loop) each reach the client as the alert that names the cause, in TLS 1.2
+    and 1.3; a good certificate still gets in."""
+    port = tls_broker.ports[listener]
+    for cause in ("expired", "untrusted", "none"):
+        exc = refusal_seen_by_client(port, pki, None if cause == "none" else pki[cause], version,
+                                     FIRST_BYTES[listener])
+        assert exc.reason == REFUSAL_ALERTS[cause, version.name], (cause, exc)
+    ctx = ssl.create_default_context(cafile=str(pki["ca"].cert))
+    ctx.minimum_version = ctx.maximum_version = version
+    ctx.load_cert_chain(str(pki["client"].cert), str(pki["client"].key))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+        tls.sendall(FIRST_BYTES[listener])
+        reply = tls.recv(100)
+    assert reply == CONNACK_OK if listener == "mtls" else reply.startswith(b"HTTP/1.1 101 "), reply
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+@pytest.mark.parametrize("flag", ["-tls1_2", "-tls1_3"])
+def test_rfc8446_6_2_openssl_s_client_reports_the_alert_of_a_refused_certificate(
+    tls_broker: BrokerProcess, pki: dict[str, Issued], flag: str
+) -> None:
+    """The same with OpenSSL's ``s_client`` (``-ign_eof``: it keeps reading after its empty input, so that in
+    TLS 1.3 it reads the alert that follows its Finished): it reports the alert by name and number."""
+    expected = {"-tls1_2": ("sslv3 alert handshake failure", 40), "-tls1_3": ("tlsv13 alert certificate required", 116)}
+    for cert, (name, number) in ((pki["expired"], ("sslv3 alert certificate expired", 45)), (None, expected[flag])):
+        cmd = ["openssl", "s_client", "-connect", f"127.0.0.1:{tls_broker.ports['mtls']}", flag, "-ign_eof",
+               "-CAfile", str(pki["ca"].cert)]
+        if cert is not None:
+            cmd += ["-cert", str(cert.cert), "-key", str(cert.key)]
+        result = subprocess.run(cmd, input="", capture_output=True, text=True, timeout=15)
+        assert f"{name}:" in result.stderr and f"SSL alert number {number}" in result.stderr, result.stderr
 
 
 # --- SIGHUP: certificate rotation without dropping connections -------------------------------------------------

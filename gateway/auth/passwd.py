@@ -201,6 +201,17 @@ class PasswordFile:
         """The hash of ``username``, or ``None``."""
         return self._entries.get(username)
 
+    def empty_password_entries(self) -> list[tuple[int, str]]:
+        """``(line number, user name)`` of each entry whose hash is that of the empty password, in file order: an
+        entry that only a zero-length password would match, which :meth:`verify` refuses, so that user cannot log
+        in (``mosquitto_passwd`` and older tools could write one). Costs one hash per entry, as many as logging
+        every user in once; for ``check-config``, not for the broker's start."""
+        found = []
+        for number, (username, _raw) in enumerate(self._lines, 1):
+            if username is not None and self._entries[username].verify(b""):
+                found.append((number, username))
+        return found
+
     def _dummy_hash(self) -> PasswordHash:
         """A hash of the file's most common kind and iteration count, checked for unknown users."""
         if self._dummy is None:
@@ -213,12 +224,13 @@ class PasswordFile:
     def verify(self, username: str | None, password: str | bytes | None) -> bool:
         """Whether ``username`` is in the file and ``password`` is its password.
 
-        A missing user name or password, or an unknown user, is checked against a dummy hash of the file's usual
-        cost and returns ``False``: the time taken does not tell which of the two was wrong. The MQTT password
-        is binary data (MQTT 5.0 §3.1.3.6); a ``str`` is taken as UTF-8.
+        A missing user name or password, a zero-length password (absent, as Mosquitto reads it: an entry hashed
+        from the empty password matches nothing), or an unknown user, is checked against a dummy hash of the
+        file's usual cost and returns ``False``: the time taken does not tell which of them was wrong. The MQTT
+        password is binary data (MQTT 5.0 §3.1.3.6); a ``str`` is taken as UTF-8.
         """
         entry = self._entries.get(username) if username is not None else None
-        if entry is None or password is None:
+        if entry is None or not password:
             self._dummy_hash().verify(password or b"")
             return False
         return entry.verify(password)

@@ -41,8 +41,10 @@ Examples:
   edge-gateway passwd -D /etc/edge-gateway/passwd bob       delete bob
   mosquitto_pub -u alice -P '...' -t test -m hi            log in with it
 
-User names must not contain ':' and must not be empty (as mosquitto_passwd). Exit status: 0 done,
-1 the file could not be read or written or the user to delete is not in it, 2 wrong usage.
+User names must not contain ':' and must not be empty (as mosquitto_passwd). Passwords must not be
+empty either (unlike mosquitto_passwd): the broker, like Mosquitto, takes a zero-length password for
+none, so such a user could never connect. Exit status: 0 done, 1 the file could not be read or written,
+the password is empty or the user to delete is not in it, 2 wrong usage.
 """
 
 

@@ -15,7 +15,9 @@ The keys and their meaning follow ``mosquitto.conf(5)`` ("Certificate based SSL/
 - ``ciphers``: an OpenSSL cipher list for TLS 1.2 and below; default: the :mod:`ssl` module's.
 
 Everything here is the standard library's :mod:`ssl`; the glue (gateway/server/tls_accept.py) hands the context to
-``loop.connect_accepted_socket(ssl=...)`` and bounds the handshake by ``connect_timeout``.
+``loop.connect_accepted_socket(ssl=...)`` and bounds the handshake by ``connect_timeout``. The context is a
+:class:`ServerContext`, which keeps the TLS alert of a failed handshake for the glue to send (RFC 8446 §6.2,
+RFC 5246 §7.2): both event loops' TLS transports drop it otherwise.
 """
 
 from __future__ import annotations
@@ -57,6 +59,53 @@ class TlsSettings:
     ciphers: str | None = None
 
 
+class AlertKeepingSSLObject(ssl.SSLObject):
+    """The :class:`ssl.SSLObject` of a :class:`ServerContext`: when its handshake fails, what OpenSSL wrote to the
+    outgoing memory BIO in that step (the fatal alert: ``certificate_expired``, ``unknown_ca``,
+    ``certificate_required``, ``handshake_failure``, ...) is taken out and put on the exception as ``unsent``
+    (bytes; absent when OpenSSL wrote nothing).
+
+    Why: asyncio's and uvloop's SSL protocols abort the transport when the handshake fails without writing that BIO
+    out, so the client would see a bare EOF; RFC 8446 §6.2 and RFC 5246 §7.2 have the side that detects the error
+    send the alert first. Only the failure path costs anything; a handshake that succeeds, and every record after
+    it, is the base class's.
+    """
+
+    #: the outgoing BIO the object writes into (set by :meth:`ServerContext.wrap_bio`)
+    outgoing: ssl.MemoryBIO | None = None
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise
+        except ssl.SSLError as exc:
+            out = self.outgoing
+            if out is not None and out.pending:
+                exc.unsent = out.read()  # type: ignore[attr-defined]
+            raise
+
+
+class ServerContext(ssl.SSLContext):
+    """A server-side :class:`ssl.SSLContext` whose memory-BIO objects (what the event loops' SSL protocols use) are
+    :class:`AlertKeepingSSLObject`; sockets wrapped with it behave as with :class:`ssl.SSLContext`."""
+
+    sslobject_class = AlertKeepingSSLObject
+
+    def wrap_bio(  # type: ignore[override]
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        obj = super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+        if isinstance(obj, AlertKeepingSSLObject):
+            obj.outgoing = outgoing
+        return obj
+
+
 def _ssl_reason(exc: ssl.SSLError) -> str:
     return getattr(exc, "reason", None) or exc.strerror or str(exc)
 
@@ -81,8 +130,8 @@ def _no_passphrase() -> bytes:
     raise _EncryptedKey
 
 
-def build_server_context(settings: TlsSettings) -> ssl.SSLContext:
-    """A server-side :class:`ssl.SSLContext` for a listener; :class:`TlsConfigError` names the key and file.
+def build_server_context(settings: TlsSettings) -> ServerContext:
+    """A server-side :class:`ServerContext` for a listener; :class:`TlsConfigError` names the key and file.
 
     Each file is checked on its own first (readable, PEM of the right kind), so that the error points at the file
     at fault rather than at "the certificate chain".
@@ -94,7 +143,7 @@ def build_server_context(settings: TlsSettings) -> ssl.SSLContext:
         raise TlsConfigError("use_identity_as_username", "needs require_certificate = true (mosquitto.conf(5))")
     if s.require_certificate and not (s.cafile or s.capath):
         raise TlsConfigError("require_certificate", "needs cafile or capath to verify client certificates with")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx = ServerContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.minimum_version = TLS_VERSIONS[s.tls_version]
     except (ValueError, ssl.SSLError) as exc:

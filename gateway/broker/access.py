@@ -8,7 +8,8 @@ interfaces below, so it imports nothing of ``gateway.auth`` (the layers of docs/
 CONNECT (:func:`authenticate`, MQTT 5.0 §3.1.4, §3.2.2.2; MQTT 3.1.1 §3.2.2.3):
 
 - with a ``password_file``, a client that sends a User Name must send its Password and both must verify, else
-  CONNACK 0x86 Bad User Name or Password (3.1.1: return code 4);
+  CONNACK 0x86 Bad User Name or Password (3.1.1: return code 4); a zero-length Password counts as none, as in
+  Mosquitto, so an entry whose hash is that of the empty password lets nobody in (``check-config`` warns of it);
 - with ``use_identity_as_username`` (TLS) and no ``password_file``, the verified certificate's CN is the user name
   (mosquitto.conf(5)); a client without one is anonymous;
 - a client with no verified user name is anonymous: refused with 0x87 Not authorized (3.1.1: 5) unless
@@ -125,7 +126,9 @@ def authenticate(
     user: str | None = None
     if access.passwords is not None:
         if username is not None:
-            if password is None or not access.passwords.verify(username, password):
+            if not password:  # none, or zero-length: the same (Mosquitto reads an empty Password as absent)
+                return None, RC.BAD_USER_NAME_OR_PASSWORD, "bad user name or password (no Password, or an empty one)"
+            if not access.passwords.verify(username, password):
                 return None, RC.BAD_USER_NAME_OR_PASSWORD, "bad user name or password"
             user = username
         elif password is not None:

@@ -130,7 +130,21 @@ def _start_receiving(core: BrokerState, session: Session) -> None:
         session.start_receiving(*paging)
 
 
+def _unsubscribe_filter_error(topic_filter: str) -> str | None:
+    """Why ``topic_filter`` in an UNSUBSCRIBE is not a valid Topic Filter (MQTT 5.0 §4.7.1, §4.8.2: the rules a
+    SUBSCRIBE's filter is refused by), or ``None``. The limits a SUBSCRIBE also applies (``max_topic_levels``,
+    ``max_topic_length``) are left out: a subscription made before they were lowered can still be removed."""
+    shared = parse_shared(topic_filter)
+    if shared is None:
+        return topic_filter_error(topic_filter)
+    return shared if isinstance(shared, str) else None
+
+
 def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: float) -> None:
+    """UNSUBSCRIBE: per Topic Filter, in order, 0x00 Success (the subscription is deleted), 0x11 No subscription
+    existed, or 0x8F Topic Filter invalid for a filter no SUBSCRIBE could have made (MQTT 5.0 §3.11.3, as SUBACK
+    refuses it; the connection stays); one UNSUBACK once the deletions are durable [MQTT-3.10.4-4]. A 3.1.1
+    UNSUBACK carries no codes (MQTT 3.1.1 §3.11), so there an invalid filter is only logged."""
     session = conn.session
     assert session is not None
     codes: list[int] = []
@@ -140,7 +154,15 @@ def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: flo
         if topic_filter in session.partial:
             partial_for_write(session).discard(topic_filter)
         if record is None:
-            codes.append(RC.NO_SUBSCRIPTION_EXISTED)
+            # Checked only when nothing matched: a filter that is subscribed was valid when it was made.
+            error = _unsubscribe_filter_error(topic_filter)
+            if error:
+                core.rlog.info(now, peer_host(conn.peer), "unsubscribe_invalid",
+                               "%s (%s): UNSUBSCRIBE %r: invalid Topic Filter (0x8F): %s", conn.peer,
+                               conn.client_id, topic_filter[:200], error)
+                codes.append(RC.TOPIC_FILTER_INVALID)
+            else:
+                codes.append(RC.NO_SUBSCRIPTION_EXISTED)
             continue
         del subscriptions[topic_filter]  # type: ignore[attr-defined]  # holds one: a dict
         core.tree.remove(session.client_id, record.topic_filter, record.share_group)

@@ -129,9 +129,8 @@ class PacketReader:
                 pos = stop
                 packet = decode_packet(first, buf[start:stop], self.version)
                 if (first >> 4) == CONNECT:
+                    # 3 stays 3: MQTT 3.1 is decoded as 3.1.1 but for its fixed-header flags (decode_packet)
                     self.version = packet.protocol_level  # type: ignore[union-attr]
-                    if self.version == 3:
-                        self.version = MQTT_3_1_1
                 yield packet
         finally:
             self._buf = buf[pos:] if pos < end else b""

@@ -387,6 +387,13 @@ Packet = (
 _REQUIRED_FLAGS = {t: 0 for t in range(1, 16)}
 _REQUIRED_FLAGS[PUBREL] = _REQUIRED_FLAGS[SUBSCRIBE] = _REQUIRED_FLAGS[UNSUBSCRIBE] = 0x02
 
+#: MQTT 3.1 (Protocol Level 3), where [MQTT-2.1.3-1] does not apply yet: the flag nibble is DUP, QoS and RETAIN,
+#: and DUP is set when a PUBREL, SUBSCRIBE or UNSUBSCRIBE is re-sent (MQTT 3.1 §2.1 "DUP"; a 3.1 client re-sends
+#: PUBREL after a reconnect), so these three may also carry DUP + QoS 1 (0b1010). Their QoS stays 1 (3.1 §3.6,
+#: §3.8, §3.10) and the other types' flags, which 3.1 calls "not used" and its senders leave 0, are checked as in
+#: 3.1.1. Consulted only when a nibble differs from :data:`_REQUIRED_FLAGS`, so other levels pay nothing for it.
+_MQTT_3_1_RETRY_FLAGS = {PUBREL: 0x0A, SUBSCRIBE: 0x0A, UNSUBSCRIBE: 0x0A}
+
 _VALID_REASONS = frozenset(int(r) for r in ReasonCode)
 
 
@@ -607,8 +614,9 @@ def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
         version: the connection's Protocol Level (3, 4 or 5); ignored for CONNECT, which carries its own.
 
     Raises:
-        MalformedPacket: reserved type 0, wrong fixed header flags [MQTT-2.1.3-1], lengths that do not add up,
-            bad strings, bad properties.
+        MalformedPacket: reserved type 0, wrong fixed header flags [MQTT-2.1.3-1] (level 3 also takes DUP on a
+            re-sent PUBREL, SUBSCRIBE or UNSUBSCRIBE: MQTT 3.1 §2.1), lengths that do not add up, bad strings, bad
+            properties.
         ProtocolError: well-formed but forbidden content (wildcards in a PUBLISH Topic Name, duplicate
             properties, AUTH on 3.1.1, ...).
         UnsupportedProtocolVersion: a CONNECT with an unknown Protocol Name or Level.
@@ -619,8 +627,9 @@ def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
         return _decode_publish(flags, body, version)
     if ptype == 0:
         raise MalformedPacket("reserved control packet type 0 (MQTT 5.0 §2.1.2)")
-    if flags != _REQUIRED_FLAGS[ptype]:
-        raise MalformedPacket(f"{PACKET_NAMES[ptype]} with invalid fixed header flags 0x{flags:X} [MQTT-2.1.3-1]")
+    if flags != _REQUIRED_FLAGS[ptype] and (version != MQTT_3_1 or flags != _MQTT_3_1_RETRY_FLAGS.get(ptype)):
+        rule = "MQTT 3.1 §2.1" if version == MQTT_3_1 else "[MQTT-2.1.3-1]"
+        raise MalformedPacket(f"{PACKET_NAMES[ptype]} with invalid fixed header flags 0x{flags:X} {rule}")
     if ptype == PUBACK:
         return _decode_ack(PubAck, body, version)  # type: ignore[return-value]
     if ptype == PUBREC:

@@ -60,12 +60,18 @@ class AuthConfig:
         return ListenerAccess(self.allow_anonymous, self.passwords, self.acl, self.use_identity_as_username)
 
     def describe(self) -> str:
-        """One line for ``check-config``: who may connect, which files."""
+        """One line for ``check-config``: who may connect, which files, and a WARNING for a setting that lets
+        nobody in: no ``password_file`` where anonymous clients are refused, or a password file entry hashed from
+        the empty password (:meth:`PasswordFile.empty_password_entries`)."""
         why = " (default: loopback or Unix socket bind)" if self.allow_anonymous else " (default: bind is not loopback)"
         parts = [("anonymous allowed" if self.allow_anonymous else "anonymous refused")
                  + (why if self.anonymous_default else "")]
         if self.passwords is not None:
             parts.append(f"password_file {self.password_file} ({len(self.passwords)} users)")
+            parts.extend(f"WARNING: {self.password_file}:{line}: user {user!r} has the hash of an empty password, "
+                         "which is refused (a zero-length Password counts as none), so this user cannot connect; "
+                         "set a password with 'edge-gateway passwd'"
+                         for line, user in self.passwords.empty_password_entries())
         if self.use_identity_as_username:
             parts.append("certificate CN as user name")
         if self.acl is not None:

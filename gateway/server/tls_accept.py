@@ -15,6 +15,14 @@ The SSL protocol calls :meth:`TlsMQTTProtocol.connection_made` when the handshak
 decrypted byte (a TLS 1.3 client may send CONNECT in the same segment as its Finished), so the verified client
 certificate's CN is on the broker's ``Connection.cert_cn`` before CONNECT is handled.
 
+A refused handshake tells the client why, as RFC 8446 §6.2 and RFC 5246 §7.2 want of the side that detects the
+error: the TLS alert OpenSSL produced (``certificate_expired``, ``unknown_ca``, ``handshake_failure`` in TLS 1.2 or
+``certificate_required`` in TLS 1.3 for a missing client certificate, ...) is written before the close, then a FIN.
+Both loops' SSL protocols abort the transport on a failed handshake without writing it, so the context
+(:class:`gateway.auth.tls.ServerContext`) hands it over on the exception, and the handshake keeps a second
+descriptor of the connection (``socket.dup``) to write it on after the loop has let go of its own. A plaintext
+client gets no alert (OpenSSL writes none for a record that is not TLS), a client that stalls none either.
+
 One time budget per connection: the handshake may take at most ``connect_timeout`` seconds, and the broker's
 CONNECT deadline counts from the TCP accept (``Connection.opened_at`` is the accept time), so handshake + CONNECT
 take at most ``connect_timeout`` (plus the broker's one-second tick).
@@ -67,6 +75,16 @@ def handshake_failure(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, ConnectionError | EOFError):
         return "closed_in_handshake", f"the client closed the connection ({type(exc).__name__})"
     return type(exc).__name__, f"{type(exc).__name__}: {exc}"
+
+
+def send_alert(sock: socket.socket, alert: bytes) -> None:
+    """Write the TLS alert of a failed handshake (``alert``: the records OpenSSL produced, a few dozen bytes) on
+    ``sock``, then a FIN, as the side that detects the error must before it closes (RFC 8446 §6.2, RFC 5246 §7.2).
+    Best effort and never blocking: the socket is non-blocking, the alert fits its empty send buffer, and a peer
+    that is already gone (``OSError``) is only left alone."""
+    with contextlib.suppress(OSError):
+        sock.send(alert)
+        sock.shutdown(socket.SHUT_WR)
 
 
 class TlsMQTTProtocol(MQTTProtocol):
@@ -169,6 +187,14 @@ class TlsListener(asyncio.AbstractServer):
 
     async def _handshake(self, sock: socket.socket, peer: str, accepted_at: float) -> None:
         loop = asyncio.get_running_loop()
+        # A second descriptor of the connection: the loop closes its own as it aborts a failed handshake; this one
+        # keeps the connection open until the TLS alert has been written on it. Out of descriptors, the handshake
+        # goes on without it (a refusal is then a bare close, as before).
+        spare: socket.socket | None
+        try:
+            spare = sock.dup()
+        except OSError:
+            spare = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # returns once the handshake is done (TlsMQTTProtocol.connection_made has run); on a failure the
@@ -192,6 +218,12 @@ class TlsListener(asyncio.AbstractServer):
                 time.time(), peer_host(peer), "tls_" + key, "%s (listener %r): TLS handshake failed: %s; closed",
                 peer, self.name, text,
             )
+            unsent = getattr(exc, "unsent", b"")
+            if unsent and spare is not None:
+                send_alert(spare, unsent)
+        finally:
+            if spare is not None:
+                spare.close()  # a connection whose handshake is done is the transport's alone from here
 
     # asyncio.AbstractServer, for the runner's shutdown
 
