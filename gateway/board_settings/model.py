@@ -49,7 +49,7 @@ SETTINGS_FILE = "edge-gateway-settings.toml"
 #: A string of ``[gateway]`` that is exactly ``{settings}/NAME`` becomes the installed path of ``[files] NAME``.
 PLACEHOLDER = "{settings}"
 TOP_KEYS = ("access", "bridge", "files", "gateway", "gateway_id")
-FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FILE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 FILE_NAME_ALLOWED = "1-64 letters, digits, '.', '_' or '-', not starting with '.', '_' or '-'"
 MAX_FILE_BYTES = 1024 * 1024
 #: OpenSSH public key types an operator key may have (sshd(8) "AUTHORIZED_KEYS FILE FORMAT").
@@ -180,7 +180,7 @@ def read_settings(text: str) -> tuple[BoardSettings, list[str]]:
 def _parse_files(table: dict[str, Any], errors: list[str]) -> dict[str, str]:
     files: dict[str, str] = {}
     for name, text in table.items():
-        if not FILE_NAME_RE.match(name):
+        if not FILE_NAME_RE.fullmatch(name):
             errors.append(f"files.{json.dumps(name)}: a file name must be {FILE_NAME_ALLOWED}")
         elif not isinstance(text, str) or not text.strip():
             errors.append(f"files.{name}: must be the file's text, a non-empty string (e.g. '''...''')")
@@ -331,7 +331,7 @@ def _shown(key: str, value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------ TOML writer
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def dump_toml(data: dict[str, Any]) -> str:
@@ -368,7 +368,7 @@ def _is_table_array(value: Any) -> bool:
 
 
 def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _toml_string(key)
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
 
 
 def _toml_string(text: str) -> str:
