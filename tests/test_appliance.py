@@ -384,6 +384,7 @@ def _fleet_pki(tmp: Path, hosts: list[str], vault_password: Path) -> Path:
     return pki
 
 
+@pytest.mark.timeout(400)  # three ansible-playbook runs: 96 s alone here, past the default 120 s beside other jobs
 def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
     """Issue 7: config templated from inventory variables (gateway id, upstream URL and credentials, serial ports).
     For every board of the example fleet the rendered gateway.toml passes `edge-gateway check-config` (with its
