@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from gateway import __version__
 from gateway.auth import passwd_cli
+from gateway.board_settings import cli as settings_cli
 from gateway.server.config import DEFAULT_BIND, ConfigError, GatewayConfig, read_config
 
 EXIT_CONFIG = 78  # EX_CONFIG (sysexits.h): systemd units can refuse to restart on it
@@ -25,6 +26,7 @@ Quick start:
   edge-gateway serve --config gw.toml     serve the listeners in gw.toml
   edge-gateway check-config gw.toml       validate a config file; every bad key is named
   edge-gateway passwd FILE USER           add a user to a Mosquitto password file (prompts)
+  edge-gateway settings check FILE        check a board's settings file (edge-gateway-settings.toml)
 
 Try it (with mosquitto-clients installed):
   mosquitto_sub -h 127.0.0.1 -t 'sensors/#' -v &
@@ -166,7 +168,8 @@ def _cmd_store(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands ``serve``, ``check-config``, ``store``, ``passwd``, ``version``)."""
+    """The argument parser (subcommands ``serve``, ``check-config``, ``store``, ``passwd``, ``settings``,
+    ``version``)."""
     parser = argparse.ArgumentParser(prog="edge-gateway", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"edge-gateway {__version__}")
@@ -193,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--json", action="store_true", help="stats as JSON")
     store.set_defaults(func=_cmd_store)
     passwd_cli.add_parser(sub)
+    settings_cli.add_parser(sub)
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _a: print(f"edge-gateway {__version__}") or 0)
     return parser

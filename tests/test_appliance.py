@@ -136,6 +136,63 @@ def test_systemd_analyze_verify_check_catches_a_bad_directive(tmp_path: Path) ->
     assert "Failed to parse service restart specifier, ignoring: on-failur" in proc.stderr
 
 
+#: Debian bookworm's ssh.service (openssh-server 1:9.2p1), which role operator_access extends with a drop-in; the
+#: host running the tests need not have the package.
+DEBIAN_SSH_SERVICE = """[Unit]
+Description=OpenBSD Secure Shell server
+Documentation=man:sshd(8) man:sshd_config(5)
+After=network.target auditd.service
+ConditionPathExists=!/etc/ssh/sshd_not_to_be_run
+
+[Service]
+EnvironmentFile=-/etc/default/ssh
+ExecStartPre=/usr/sbin/sshd -t
+ExecStart=/usr/sbin/sshd -D $SSHD_OPTS
+ExecReload=/usr/sbin/sshd -t
+ExecReload=/bin/kill -HUP $MAINPID
+KillMode=process
+Restart=on-failure
+RestartPreventExitStatus=255
+Type=notify
+RuntimeDirectory=sshd
+RuntimeDirectoryMode=0755
+
+[Install]
+WantedBy=multi-user.target
+Alias=sshd.service
+"""
+
+
+def test_per_board_settings_units_verify_clean(tmp_path: Path) -> None:
+    """README "Per-board settings": edge-gateway-settings.service and the SSH server's drop-in (role
+    operator_access) pass `systemd-analyze verify` with nothing printed; the settings unit runs before the services
+    and the SSH server, on a boot-partition file or applied settings, with its output on the console too."""
+    units = _units()
+    units["edge-gateway-settings.service"] = (ROOT / "systemd" / "edge-gateway-settings.service").read_text()
+    units["ssh.service"] = DEBIAN_SSH_SERVICE
+    root = _unit_root(tmp_path, units)
+    dropin = root / "etc" / "systemd" / "system" / "ssh.service.d"
+    dropin.mkdir()
+    shutil.copy(ROOT / "ansible" / "roles" / "operator_access" / "files" / "ssh.service.conf",
+                dropin / "edge-gateway.conf")
+    (root / "usr" / "sbin" / "sshd").write_text("#!/bin/sh\n")
+    (root / "usr" / "sbin" / "sshd").chmod(0o755)
+    for unit in ("edge-gateway-settings.service", "ssh.service"):
+        proc = verify(root, unit)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", ""), unit
+    values = unit_values("edge-gateway-settings.service")
+    assert values["Type"] == ["oneshot"]
+    assert values["ConditionPathExists"] == ["|/boot/firmware/edge-gateway-settings.toml",
+                                             "|/var/lib/edge-gateway/settings/current"]
+    assert values["Before"] == ["edge-gateway.service firmware-bridge.service ssh.service"]
+    assert values["ExecStart"] == ["/opt/edge-gateway/bin/edge-gateway settings apply --remount-boot"]
+    assert values["StandardOutput"] == ["journal+console"] and values["StandardError"] == ["journal+console"]
+    # a bad settings file must not stop the services: ordered before them, not required by them
+    for unit in UNITS:
+        hard = [v for k in ("Requires", "BindsTo", "Requisite") for v in unit_values(unit).get(k, [])]
+        assert "edge-gateway-settings.service" not in " ".join(hard), unit
+
+
 @pytest.mark.parametrize("unit", UNITS)
 def test_systemd_analyze_security_exposure_under_threshold(unit_root: Path, unit: str) -> None:
     """Issue 7: `systemd-analyze security --offline=yes` with a threshold: each unit's overall exposure is at most
@@ -175,12 +232,16 @@ def test_units_have_the_supervision_and_hardening_directives() -> None:
     assert gw["User"] == ["edge-gateway"] and gw["Group"] == ["edge-gateway"]
     assert gw["WatchdogSec"] == ["20s"]
     assert gw["StateDirectory"] == ["edge-gateway"] and gw["ConfigurationDirectory"] == ["edge-gateway"]
-    assert gw["ExecStart"] == ["/opt/edge-gateway/bin/edge-gateway serve --config /etc/edge-gateway/gateway.toml"]
+    # the image's configuration unless per-board settings were applied (README "Per-board settings")
+    assert gw["Environment"] == ["EDGE_GATEWAY_CONFIG=/etc/edge-gateway/gateway.toml"]
+    assert gw["EnvironmentFile"] == ["-/var/lib/edge-gateway/settings/current/edge-gateway.env"]
+    assert gw["ExecStart"] == ["/opt/edge-gateway/bin/edge-gateway serve --config ${EDGE_GATEWAY_CONFIG}"]
+    assert gw["StateDirectoryMode"] == ["0751"]  # the bridge passes through to its settings; the store stays 0750
     assert bridge["User"] == ["firmware-bridge"] and bridge["SupplementaryGroups"] == ["dialout"]
     assert bridge["StateDirectory"] == ["firmware-bridge"] and bridge["ConfigurationDirectory"] == ["firmware-bridge"]
-    assert bridge["ExecStart"] == [
-        "/opt/edge-gateway/bin/firmware-bridge run --config /etc/firmware-bridge/bridge.toml"
-    ]
+    assert bridge["Environment"] == ["FIRMWARE_BRIDGE_CONFIG=/etc/firmware-bridge/bridge.toml"]
+    assert bridge["EnvironmentFile"] == ["-/var/lib/edge-gateway/settings/current/firmware-bridge.env"]
+    assert bridge["ExecStart"] == ["/opt/edge-gateway/bin/firmware-bridge run --config ${FIRMWARE_BRIDGE_CONFIG}"]
 
 
 def test_bridge_starts_after_the_broker_and_survives_its_restarts() -> None:
@@ -208,10 +269,11 @@ def _ansible_env(tmp: Path) -> dict[str, str]:
     )
 
 
-@pytest.mark.parametrize("inventory", ["fleet", "image"])
-def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str) -> None:
+@pytest.mark.parametrize(("inventory", "playbook"), [("fleet", "site.yml"), ("image", "site.yml"),
+                                                     ("fleet", "board-settings.yml")])
+def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str, playbook: str) -> None:
     """Issue 7: `ansible-playbook --syntax-check` of site.yml with the fleet inventory (SSH) and the image
-    inventory (chroot)."""
+    inventory (chroot); board-settings.yml (per-board settings for boards that run the image) too."""
     proc = subprocess.run(
         [
             str(VENV_BIN / "ansible-playbook"),
@@ -220,7 +282,7 @@ def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str) -> None:
             "-e",
             f"image_root={tmp_path}",
             "--syntax-check",
-            "site.yml",
+            playbook,
         ],
         cwd=ROOT / "ansible",
         env=_ansible_env(tmp_path),
@@ -229,7 +291,7 @@ def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == "playbook: site.yml"
+    assert proc.stdout.strip() == f"playbook: {playbook}"
 
 
 @pytest.mark.timeout(300)
@@ -322,6 +384,7 @@ def _fleet_pki(tmp: Path, hosts: list[str], vault_password: Path) -> Path:
     return pki
 
 
+@pytest.mark.timeout(400)  # three ansible-playbook runs: 96 s alone here, past the default 120 s beside other jobs
 def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
     """Issue 7: config templated from inventory variables (gateway id, upstream URL and credentials, serial ports).
     For every board of the example fleet the rendered gateway.toml passes `edge-gateway check-config` (with its
