@@ -331,8 +331,8 @@ def _pull(settings: UpdateSettings, run: PullRun, manifest_url: str, download_di
 
     later = _window_text(settings, run.now)
     if later is not None:
-        log.info("version %s is ready in %s; it is installed and the gateway rebooted when %s", manifest.version,
-                 bundle, later.removeprefix("the "))
+        log.info("version %s is ready in %s; it is installed and the gateway rebooted in the window: %s",
+                 manifest.version, bundle, later)
         return EXIT_OK
     # a bundle from an earlier run is checked again: the data partition is not the root's read-only file system
     if not fresh and not _verified(bundle, manifest):
