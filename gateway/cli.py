@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 
 from gateway import __version__
@@ -27,6 +28,7 @@ Quick start:
   edge-gateway check-config gw.toml       validate a config file; every bad key is named
   edge-gateway passwd FILE USER           add a user to a Mosquitto password file (prompts)
   edge-gateway settings check FILE        check a board's settings file (edge-gateway-settings.toml)
+  edge-gateway update pull --help         the opt-in pull of A/B root updates ([update] in gateway.toml)
 
 Try it (with mosquitto-clients installed):
   mosquitto_sub -h 127.0.0.1 -t 'sensors/#' -v &
@@ -145,6 +147,10 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
               f"subscribe rule(s), order {up.order}")
     if config.metrics_bind is not None:
         print(f"metrics: Prometheus /metrics on {config.metrics_bind}")
+    if config.update.enabled:
+        from gateway.update.settings import describe
+
+        print(describe(config.update))
     print(f"{config.source}: OK")
     return 0
 
@@ -167,8 +173,128 @@ def _cmd_store(args: argparse.Namespace) -> int:
         return 1
 
 
+UPDATE_PULL_EPILOG = """\
+What one run does (the timer edge-gateway-update.timer runs it; README "Pull updates"):
+  1. fetches [update] manifest_url over HTTPS (verified against ca_file, else the system's CAs):
+       {"version": "1.4.2", "compatible": "edge-gateway-arm64", "size": 187695104,
+        "url": "edge-gateway-1.4.2-arm64.raucb", "sha256": "<64 hex digits>"}
+     (url absolute or relative to the manifest, https only);
+  2. does nothing when it is for another compatible, the installed version (VERSION= in the release file), an
+     older one, or a version that rolled back here before (rejected-<version> in the state directory);
+  3. refuses to download unless the download directory's free space covers the rest of the bundle, the store's
+     room up to [store] max_size, and [update] reserve;
+  4. downloads <sha256>.raucb.part (resuming with HTTP Range), checks the SHA-256, renames it <sha256>.raucb;
+  5. inside [update] maintenance_window (local time; none: any time) runs the install command with the bundle,
+     then the reboot command; outside it keeps the bundle and says when the window opens.
+
+Config:
+  [update]
+  manifest_url = "https://updates.example.net/edge-gateway/stable.json"
+  ca_file = "/etc/edge-gateway/update-ca.crt"    # default: the system's CAs
+  maintenance_window = "02:00-04:00"             # may cross midnight
+
+Exit codes:
+{codes}
+"""
+
+
+def _update_pull_epilog() -> str:
+    from gateway.update.pull import EXIT_CODES
+
+    codes = "\n".join(textwrap.fill(text, 116, initial_indent=f"  {code:>2}  ", subsequent_indent=" " * 6)
+                      for code, text in EXIT_CODES.items())
+    return UPDATE_PULL_EPILOG.replace("{codes}", codes)
+
+
+def _cmd_update_pull(args: argparse.Namespace) -> int:
+    import datetime
+    import shlex
+    from pathlib import Path
+
+    from gateway.update.pull import EXIT_CONFIG, PullRun, default_compatible, pull
+    from gateway.update.settings import STATE_DIR
+
+    _setup_logging("info")
+    config = _read_config(args.config)
+    if config is None:
+        return EXIT_CONFIG
+    if args.now is None:
+        now = datetime.datetime.now()
+    else:
+        try:
+            now = datetime.datetime.fromisoformat(args.now)
+        except ValueError:
+            print(f"edge-gateway update pull: --now {args.now!r}: must be a local time such as 2026-05-01T03:00",
+                  file=sys.stderr)
+            return 2
+        if now.tzinfo is not None:
+            now = now.astimezone().replace(tzinfo=None)
+    run = PullRun(
+        compatible=args.compatible or default_compatible(),
+        store_dir=Path(args.store_dir or config.store.path),
+        store_max_size=config.store.max_size,
+        now=now,
+        install_command=shlex.split(args.install_command),
+        reboot_command=shlex.split(args.reboot_command),
+        release_file=Path(args.release_file),
+        state_dir=Path(args.state_dir or STATE_DIR),
+    )
+    return pull(config.update, run)
+
+
+def _cmd_update_enabled(args: argparse.Namespace) -> int:
+    # ExecCondition= of edge-gateway-update.service: 0 runs the pull, 1..254 skips it quietly, 255 fails the unit
+    config = _read_config(args.config)
+    if config is None:
+        return 255
+    if config.update.enabled:
+        print(f"update pull is on: {config.update.manifest_url}")
+        return 0
+    print(f"update pull is off: {config.source} has no [update] manifest_url")
+    return 1
+
+
+def _add_update_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    default_config = os.environ.get("EDGE_GATEWAY_CONFIG") or "/etc/edge-gateway/gateway.toml"
+    update = sub.add_parser("update", help="pull A/B root updates from an HTTPS manifest (opt-in)",
+                            description="Pull A/B root updates (RAUC bundles) from the HTTPS manifest named by "
+                                        "[update] manifest_url in gateway.toml. Off unless it is set.")
+    actions = update.add_subparsers(dest="update_command", metavar="ACTION", required=True)
+    pull = actions.add_parser("pull", help="fetch the manifest; download, verify, install and reboot",
+                              description="One run of the update timer: fetch the manifest, download a newer "
+                                          "bundle for this gateway,\nverify it, and install it and reboot inside "
+                                          "the maintenance window.",
+                              epilog=_update_pull_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    pull.add_argument("--config", "-c", metavar="PATH", default=default_config,
+                      help=f"gateway.toml with [update] and [store] (default: {default_config})")
+    pull.add_argument("--release-file", metavar="PATH", default="/etc/edge-gateway-release",
+                      help="holds VERSION= of the running system (default: %(default)s)")
+    pull.add_argument("--state-dir", metavar="DIR", default=None,
+                      help="records (last, pending, rejected-<version>, lock) and, unless [update] download_dir "
+                           "says otherwise, download/ (default: /var/lib/edge-gateway/update)")
+    pull.add_argument("--store-dir", metavar="DIR", default=None,
+                      help="the broker's LMDB store whose room is kept free (default: [store] path)")
+    pull.add_argument("--compatible", metavar="STRING", default=None,
+                      help="this gateway's RAUC compatible (default: [system] compatible of /etc/rauc/system.conf, "
+                           "else edge-gateway-<Debian architecture>)")
+    pull.add_argument("--now", metavar="TIME", default=None,
+                      help="the local time for the maintenance window check, ISO 8601 such as 2026-05-01T03:00 "
+                           "(default: now)")
+    pull.add_argument("--install-command", metavar="CMD", default="rauc install",
+                      help="run with the verified bundle's path appended (default: %(default)s)")
+    pull.add_argument("--reboot-command", metavar="CMD", default="systemctl reboot",
+                      help="run after a successful install (default: %(default)s)")
+    pull.set_defaults(func=_cmd_update_pull)
+    enabled = actions.add_parser("enabled", help="exit 0 when [update] manifest_url is set, 1 when not",
+                                 description="Exit 0 when gateway.toml sets [update] manifest_url, 1 when it does "
+                                             "not, 255 when the file is invalid (the update unit's ExecCondition=).")
+    enabled.add_argument("--config", "-c", metavar="PATH", default=default_config,
+                         help=f"gateway.toml (default: {default_config})")
+    enabled.set_defaults(func=_cmd_update_enabled)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands ``serve``, ``check-config``, ``store``, ``passwd``, ``settings``,
+    """The argument parser (subcommands ``serve``, ``check-config``, ``store``, ``passwd``, ``settings``, ``update``,
     ``version``)."""
     parser = argparse.ArgumentParser(prog="edge-gateway", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.set_defaults(func=_cmd_store)
     passwd_cli.add_parser(sub)
     settings_cli.add_parser(sub)
+    _add_update_parser(sub)
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda _a: print(f"edge-gateway {__version__}") or 0)
     return parser

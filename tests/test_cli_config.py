@@ -159,7 +159,7 @@ def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -
     ("[listeners.x]\nmax_inflight = 1\n", "listeners.x.bind: missing; give \"host:port\" or a Unix socket path"),
     ("[listeners.x]\nbind = \"127.0.0.1:0\"\nzone = \"dmz\"\n",
      "listeners.x.zone = 'dmz': must be one of external, internal"),
-    ("[brokr]\n", "brokr: unknown section; allowed: broker, listeners, metrics, store, upstream"),
+    ("[brokr]\n", "brokr: unknown section; allowed: broker, listeners, metrics, store, update, upstream"),
     ("[broker]\nlog_level = \"verbose\"\n", "broker.log_level = 'verbose': must be one of debug, info, warning, error"),
     ("[store]\nmqueue_mem_len = -1\n",
      "store.mqueue_mem_len = -1: must be an integer >= 0 (queued messages of a persistent session kept in memory; "

@@ -30,6 +30,9 @@ Layout (DESIGN.md §6)::
     [metrics]                   # Prometheus /metrics (gateway/server/metrics.py); off when absent
     bind = "127.0.0.1:9883"
 
+    [update]                    # the opt-in pull of A/B root updates (gateway/update/settings.py); the broker
+    manifest_url = "https://updates.example.net/edge-gateway/stable.json"   # ignores it; absent: pull off
+
 Durations, sizes and addresses are read by :mod:`gateway.values` (sizes in powers of 1024: "1MB" = 1 MiB).
 """
 
@@ -46,6 +49,7 @@ from gateway.auth.tls import TLS_VERSIONS, TlsConfigError, TlsSettings, build_se
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
 from gateway.server.access import AUTH_KEYS, AuthConfig, load_auth
 from gateway.store.lmdb_store import StoreSettings
+from gateway.update.settings import UpdateSettings, load_update
 from gateway.values import ADDRESS_ALLOWED, ValueSpec, check_value, is_unix_path, parse_address
 
 if TYPE_CHECKING:
@@ -112,6 +116,8 @@ class GatewayConfig:
     gateway_id: str = ""  # [broker] gateway_id (default: the host name); {gateway_id} in [[upstream]] rules
     upstreams: list[UpstreamConfig] = field(default_factory=list)  # [[upstream]] (gateway/upstream/)
     metrics_bind: str | None = None  # [metrics] bind: "host:port" of the Prometheus endpoint; None = off
+    # [update]: `edge-gateway update pull` (gateway/update/); the broker ignores it
+    update: UpdateSettings = field(default_factory=UpdateSettings)
 
 
 # key -> (kind, low, high, description of what is allowed)
@@ -155,6 +161,7 @@ _RETAINED_LIMITS: dict[str, ValueSpec] = {
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 _TOP_KEYS = {"broker", "listeners", "store", "upstream"}
 _TOP_KEYS.add("metrics")  # [metrics] bind (Prometheus, gateway/server/metrics.py)
+_TOP_KEYS.add("update")  # [update]: the opt-in pull of A/B root updates (gateway/update/settings.py)
 METRICS_BIND_ALLOWED = ('a TCP "host:port" such as "127.0.0.1:9883" or "[::1]:9883" (port 0..65535; 0 = any free '
                         "port), not a Unix socket path")
 _METRICS_BIND: ValueSpec = ("address", 0, 65535, METRICS_BIND_ALLOWED)
@@ -238,6 +245,7 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> GatewayConfig
                 cfg.gateway_id = value
     _load_store(cfg, data.get("store", {}), errors)
     cfg.metrics_bind = load_metrics(data.get("metrics"), errors)
+    cfg.update = load_update(data.get("update"), errors)
     if "upstream" in data:
         from gateway.upstream.config import default_gateway_id, parse_upstreams  # (see gateway_id above)
 
