@@ -39,13 +39,14 @@ IMAGE_BOOT_MB=256
 IMAGE_VERSION=${IMAGE_VERSION:-$(date -u +%Y.%m.%d.%H%M)-$(git -C "$ROOT_DIR" rev-parse --short HEAD 2>/dev/null || echo local)}
 # The MBR disk identifier: the partitions' PARTUUIDs (RAUC's slots, the kernel's root=) are DISKID-01 ... -04.
 DISKID=45474757
+# openssh-server and sudo: the operator access that per-board settings can switch on (role operator_access)
 PACKAGES=(systemd systemd-sysv udev kmod e2fsprogs python3 python3-venv python3-packaging python3-apt mosquitto-clients
-          initramfs-tools linux-image-"$ARCH")
+          initramfs-tools linux-image-"$ARCH" openssh-server sudo)
 COMPONENTS=main
 case "$ARCH" in
-    # GRUB for EFI (its modules and grub-editenv, which RAUC's grub backend runs) and RAUC for the A/B updates; the
-    # rauc command line talks to the rauc service over the D-Bus system bus
-    amd64) QEMU_CPU=x86_64; PACKAGES+=(grub-efi-amd64-bin rauc dbus) ;;
+    # GRUB for EFI (its modules and grub-editenv, which RAUC's grub backend runs) and RAUC for the A/B updates: the
+    # rauc command line hands every request to the rauc service (rauc-service) over the D-Bus system bus
+    amd64) QEMU_CPU=x86_64; PACKAGES+=(grub-efi-amd64-bin rauc rauc-service dbus) ;;
     arm64) QEMU_CPU=aarch64; PACKAGES+=(raspi-firmware dosfstools); COMPONENTS="main non-free-firmware" ;;
     *) printf 'image: ARCH=%s: must be amd64 or arm64\n' "$ARCH" >&2; exit 2 ;;
 esac
@@ -316,6 +317,12 @@ bridge_ids=$(awk -F: '$1 == "firmware-bridge" {print $3 ":" $4}' "$rootfs/etc/pa
 install -d -m 0750 -o "${bridge_ids%:*}" -g "${bridge_ids#*:}" "$rootfs/var/lib/firmware-bridge"
 find "$rootfs/boot/firmware" -mindepth 1 -delete
 cp -a "$rootfs/var/lib/edge-gateway/." "$parts/data/"
+# The data partition's top is the broker's StateDirectory (owned by it, so systemd never re-owns what is below) and
+# 0751: firmware-bridge passes through it to its applied settings (README "Per-board settings").
+gw_ids=$(awk -F: '$1 == "edge-gateway" {print $3 ":" $4}' "$rootfs/etc/passwd")
+[ -n "$gw_ids" ] || die "no edge-gateway user in the root"
+chown "$gw_ids" "$parts/data"
+chmod 0751 "$parts/data"
 find "$rootfs/var/lib/edge-gateway" -mindepth 1 -delete
 used_mb=$(du -sm --apparent-size "$rootfs" | cut -f1)
 root_mb=$IMAGE_ROOT_MB

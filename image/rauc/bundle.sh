@@ -49,6 +49,8 @@ format=verity
 filename=rootfs.ext4
 MANIFEST
 rm -f "$bundle"
-rauc bundle --cert="${keys[0]}" --key="${keys[1]}" --keyring="${keys[2]}" "$content" "$bundle" >&2
+# zstd: about as small as mksquashfs's default gzip and several times faster to make; Debian's kernel reads it
+rauc bundle --cert="${keys[0]}" --key="${keys[1]}" --keyring="${keys[2]}" \
+    --mksquashfs-args="-comp zstd -Xcompression-level 6" "$content" "$bundle" >&2
 echo "bundle: $bundle ($(du -m "$bundle" | cut -f1) MiB, version $version, compatible $compatible)" >&2
 echo "$bundle"
