@@ -8,6 +8,10 @@ takes commands over the broker itself (probe/command, through qemu's hostfwd on 
 reports on the serial console. qemu runs with -no-reboot, so every reboot of the guest ends a qemu run and the next
 boot is a new run on the same disk: GRUB's state (grubenv) is what carries over, as on a board.
 
+0. Per-board settings: before the first boot a valid ``edge-gateway-settings.toml`` (a gateway id, an operator's
+   SSH key) is put on the boot partition; the first boot applies it and removes it; the operator logs in with the key
+   over SSH (through a second hostfwd) and is refused a password login. Before the second boot a broken one: it is
+   renamed ``.rejected`` with its errors beside it, and the gateway keeps the settings it had.
 1. v1 (slot A): a persistent session's QoS 1 messages are acknowledged; ``rauc install`` of v2; more messages
    while the new slot waits; reboot.
 2. v2 boots from slot B, the health check marks it good and reports ``updated`` (v1 -> v2); every acknowledged message
@@ -27,6 +31,7 @@ Usage: update_test.py [--out build/appliance] [--keep-disk]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -186,6 +191,25 @@ def make_stick(out: Path, work: Path, v1: str) -> tuple[Path, dict[str, str]]:
     return stick, versions
 
 
+def put_on_boot_partition(disk: Path, name: str, text: str) -> None:
+    """Write a file at the root of the image's boot partition (partition 1, FAT) with mtools, as an operator's
+    laptop does on the card."""
+    table = json.loads(subprocess.run(["sfdisk", "--json", str(disk)], capture_output=True, text=True,
+                                      check=True).stdout)["partitiontable"]
+    offset = int(table["partitions"][0]["start"]) * int(table.get("sectorsize", 512))
+    local = disk.with_name(name)
+    local.write_text(text)
+    subprocess.run(["mcopy", "-o", "-i", f"{disk}@@{offset}", str(local), f"::/{name}"], check=True)
+    local.unlink()
+
+
+def ssh(port: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """OpenSSH's client to the guest through the forwarded port (a new host key each image: not remembered)."""
+    options = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+               "-o", "ConnectTimeout=20"]
+    return subprocess.run(["ssh", "-p", str(port), *options, *args], capture_output=True, text=True, timeout=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
@@ -212,6 +236,13 @@ def main() -> int:
     Path(str(disk) + ".efivars").unlink(missing_ok=True)
     session = Session()
     served = "edge_gateway.probe=1 edge_gateway.powercut=again"
+    key = work / "operator_ed25519"
+    key.unlink(missing_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "operator@update-test", "-f", str(key)],
+                   check=True)
+    put_on_boot_partition(disk, "edge-gateway-settings.toml",
+                          f'gateway_id = "gw-field-07"\n\n[access]\n'
+                          f'ssh_authorized_keys = ["{key.with_suffix(".pub").read_text().strip()}"]\n')
     vm: Vm | None = None
     boot_n = 0
 
@@ -220,7 +251,7 @@ def main() -> int:
         boot_n += 1
         serial = work / f"serial-boot{boot_n}.log"
         machine = Vm(arch, disk, serial, serial.with_suffix(".trace"), params, args.boot_timeout,
-                     free_port() if port else 0, drives=[stick])
+                     free_port() if port else 0, drives=[stick], ssh_port=free_port() if port else 0)
         machine.start()
         return machine
 
@@ -241,17 +272,32 @@ def main() -> int:
         session.subscribe(vm.port)
         session.publish(vm.port, 50)
         expect(ask(vm, "slot", "SLOT", 120), "booted=A", f"version={v1}")
+        expect(ask(vm, "settings", "SETTINGS", 60), "gateway_id=gw-field-07", "boot=[]", "unit=success",
+               "ssh=active")
+        login = ssh(vm.ssh_port, "-i", str(key), "operator@127.0.0.1", "cat /etc/edge-gateway-release")
+        if login.returncode != 0 or f"VERSION={v1}" not in login.stdout:
+            failures.append(f"ssh with the operator's key: {login.returncode} {login.stdout!r} {login.stderr[-300:]!r}")
+        refused = ssh(vm.ssh_port, "-o", "PubkeyAuthentication=no", "-o", "PreferredAuthentications=password",
+                      "operator@127.0.0.1", "true")
+        if refused.returncode == 0 or "Permission denied" not in refused.stderr:
+            failures.append(f"a password login was not refused: {refused.returncode} {refused.stderr[-300:]!r}")
+        log(f"settings applied: gateway_id gw-field-07, operator SSH with the key: {login.returncode == 0}, "
+            f"password refused: {refused.returncode != 0}")
         expect(ask(vm, "install v2.raucb", "INSTALLED", 900), "v2.raucb")
         session.publish(vm.port, 50)
         command(vm, "reboot")
         vm.wait_exit(300)
-        step("v1: install v2", start)
+        put_on_boot_partition(disk, "edge-gateway-settings.toml",
+                              'gateway_id = "gw/broken"\n[gateway.broker]\nmax_sessions = "lots"\n')
+        step("v1: settings applied, install v2", start)
 
         # 2. v2 on slot B: healthy, updated; refusals; install v3
         start = time.monotonic()
         vm = boot(served)
         vm.wait_for("SERVING", args.boot_timeout)
         expect(ask(vm, "slot", "SLOT", 120), "booted=B", "primary=B", f"version={versions['v2.raucb']}")
+        expect(ask(vm, "settings", "SETTINGS", 60), "gateway_id=gw-field-07",
+               "boot=[edge-gateway-settings.errors.txt edge-gateway-settings.toml.rejected ]", "unit=exit-code")
         expect(ask(vm, "health", "HEALTH", 900), "OUTCOME=updated", f"VERSION={versions['v2.raucb']}",
                f"PREVIOUS={v1}")
         lost = session.drain(vm.port)

@@ -159,6 +159,8 @@ class Vm:
     snapshot: bool = False
     #: more disks, read-only (the update test's stick)
     drives: list[Path] = field(default_factory=list)
+    #: this host's 127.0.0.1 port forwarded to the guest's SSH server (22), 0 = none
+    ssh_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
     started: float = 0.0
@@ -185,7 +187,8 @@ class Vm:
         net = ["-nic", "none"]
         if self.port:
             # romfile=: no network boot ROM, so the firmware goes straight to the disk
-            net = ["-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.port}-:1885",
+            ssh = f",hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22" if self.ssh_port else ""
+            net = ["-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.port}-:1885{ssh}",
                    "-device", "virtio-net-pci,netdev=net0,romfile="]
         if self.arch.efi:
             # the EFI variable store beside the disk (copied from OVMF's template once; the boot entries OVMF makes)

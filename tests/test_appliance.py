@@ -36,7 +36,8 @@ EXPOSURE_THRESHOLD = 2.0
 
 
 def _unit_root(tmp: Path, units: dict[str, str]) -> Path:
-    """A throwaway root: the units in /etc/systemd/system, stubs at every ExecStart path, the host's stock units."""
+    """A throwaway root: the units in /etc/systemd/system, stubs at every ExecStart and ExecStartPre path, the
+    host's stock units."""
     root = tmp / "root"
     unit_dir = root / "etc" / "systemd" / "system"
     unit_dir.mkdir(parents=True)
@@ -45,7 +46,7 @@ def _unit_root(tmp: Path, units: dict[str, str]) -> Path:
     for name, text in units.items():
         (unit_dir / name).write_text(text)
         for line in text.splitlines():
-            if line.startswith("ExecStart="):
+            if line.startswith(("ExecStart=", "ExecStartPre=")):  # verify checks that each command exists
                 exe = root / line.split("=", 1)[1].split()[0].lstrip("-@+!:").lstrip("/")
                 exe.parent.mkdir(parents=True, exist_ok=True)
                 exe.write_text("#!/bin/sh\n")

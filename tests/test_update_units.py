@@ -20,26 +20,13 @@ UNITS = ("edge-gateway-update.service", "edge-gateway-update.timer")
 UPDATE_EXPOSURE = 2.0
 
 
-def _root(tmp: Path, units: dict[str, str]) -> Path:
-    """test_appliance's throwaway root, with stubs for ExecStartPre= too (verify checks each command exists)."""
-    root = _unit_root(tmp, units)
-    for text in units.values():
-        for line in text.splitlines():
-            if line.startswith("ExecStartPre="):
-                exe = root / line.split("=", 1)[1].split()[0].lstrip("-@+!:").lstrip("/")
-                exe.parent.mkdir(parents=True, exist_ok=True)
-                exe.write_text("#!/bin/sh\n")
-                exe.chmod(0o755)
-    return root
-
-
 def _units() -> dict[str, str]:
     return {n: (ROOT / "systemd" / n).read_text() for n in UNITS}
 
 
 @pytest.fixture(scope="module")
 def unit_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _root(tmp_path_factory.mktemp("units"), _units())
+    return _unit_root(tmp_path_factory.mktemp("units"), _units())
 
 
 @pytest.mark.parametrize("unit", UNITS)
@@ -83,7 +70,7 @@ def test_verify_catches_a_bad_timer_directive(tmp_path: Path) -> None:
     """The verify check can fail: a misspelt timer directive is printed."""
     units = _units()
     units["edge-gateway-update.timer"] = units["edge-gateway-update.timer"].replace("OnBootSec=", "OnBootSecs=")
-    proc = verify(_root(tmp_path, units), "edge-gateway-update.timer")
+    proc = verify(_unit_root(tmp_path, units), "edge-gateway-update.timer")
     assert "Unknown key 'OnBootSecs' in section [Timer], ignoring." in proc.stderr, proc.stdout + proc.stderr
 
 
@@ -135,7 +122,7 @@ def test_role_renders_update_table_and_timer_schedule(tmp_path: Path) -> None:
     assert "update: pull https://updates.example.net/eg/stable.json" in check.stdout
     schedule = (out / "schedule.conf").read_text()
     assert "\nOnUnitActiveSec=\nOnUnitActiveSec=1h\nOnCalendar=*-*-* 02:30:00\n" in schedule
-    root = _root(tmp_path / "units", _units())
+    root = _unit_root(tmp_path / "units", _units())
     dropin = root / "etc" / "systemd" / "system" / "edge-gateway-update.timer.d"
     dropin.mkdir()
     (dropin / "schedule.conf").write_text(schedule)

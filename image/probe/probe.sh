@@ -100,6 +100,8 @@ serve() {
 #   health               waits for edge-gateway-health.service, then HEALTH <its outcome file>
 #   install FILE         rauc install of FILE on the stick (the second disk, a FAT file system labelled EG-STICK):
 #                        INSTALLED FILE, or REFUSED FILE: rauc's error
+#   settings             SETTINGS gateway_id=<the broker's> boot=[settings files on the boot partition]
+#                        unit=<edge-gateway-settings.service's result> ssh=<ssh.service's state>
 #   reboot               systemctl reboot (qemu runs with -no-reboot: the test boots the disk again)
 slot_report() {
     eval "$(rauc status --output-format=shell 2>/dev/null | grep -E '^RAUC_(SYSTEM_BOOTED_BOOTNAME|BOOT_PRIMARY)=')"
@@ -122,6 +124,11 @@ commands() {
                 else
                     say "REFUSED $arg: $(grep -v '^installing' /run/probe-install.log | tail -n3 | tr '\n' ' ')"
                 fi ;;
+            settings)
+                cfg=/etc/edge-gateway/gateway.toml
+                [ -e /var/lib/edge-gateway/settings/current/gateway.toml ] && cfg=/var/lib/edge-gateway/settings/current/gateway.toml
+                gid=$(sed -n 's/^[[:space:]]*gateway_id[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' "$cfg" | head -1)
+                say "SETTINGS gateway_id=$gid boot=[$(ls /boot/firmware | grep '^edge-gateway-settings' | tr '\n' ' ')] unit=$(systemctl show -p Result --value edge-gateway-settings.service) ssh=$(systemctl is-active ssh.service)" ;;
             reboot) say "REBOOTING"; systemctl reboot ;;
             *) say "UNKNOWN command $cmd" ;;
         esac
