@@ -234,6 +234,7 @@ class Board:
         return subprocess.run(
             [str(EDGE_GATEWAY), "settings", *args],
             input=stdin, capture_output=True, text=True, timeout=60,
+            umask=0o077,  # as edge-gateway-settings.service runs it (UMask=0077)
         )
 
     def apply(self, *extra: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -378,6 +379,7 @@ def test_valid_settings_file_is_applied_and_removed_from_the_boot_partition(boar
     def mode(path: Path) -> str:
         return oct(path.lstat().st_mode & 0o777)
 
+    assert (mode(board.settings_dir), mode(generation)) == ("0o755", "0o755")  # the services' users pass through
     assert mode(generation / "files") == "0o750"
     assert {mode(p) for p in (generation / "files").iterdir()} == {"0o640"}
     assert (mode(gateway_toml), mode(bridge_toml), mode(generation / "settings.toml")) == ("0o640", "0o640", "0o600")

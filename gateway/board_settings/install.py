@@ -129,9 +129,13 @@ def apply(text: str, source: str, etc_dir: Path, settings_dir: Path, owners: Own
         return Outcome("unchanged", generation=(settings_dir / "current").resolve())
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     created_dir = not settings_dir.exists()
+    # 0755 whatever the umask (the unit runs with UMask=0077): the services' users pass through to their files
     settings_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if created_dir:
+        os.chmod(settings_dir, 0o755)
     generation = settings_dir / f"gen-{stamp}-{random_names.token_hex(2)}"
     generation.mkdir(mode=0o755)
+    os.chmod(generation, 0o755)
     try:
         made, more = plan(settings, gateway_base, bridge_base, str(generation / "files"))
         _write_generation(generation, made, text, owners, {
