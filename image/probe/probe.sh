@@ -104,8 +104,14 @@ serve() {
 #                        unit=<edge-gateway-settings.service's result> ssh=<ssh.service's state>
 #   reboot               systemctl reboot (qemu runs with -no-reboot: the test boots the disk again)
 slot_report() {
-    eval "$(rauc status --output-format=shell 2>/dev/null | grep -E '^RAUC_(SYSTEM_BOOTED_BOOTNAME|BOOT_PRIMARY)=')"
-    say "SLOT booted=${RAUC_SYSTEM_BOOTED_BOOTNAME:-?} primary=${RAUC_BOOT_PRIMARY:-?} version=$(sed -n 's/^VERSION=//p' /etc/edge-gateway-release)"
+    slots=$(rauc status --output-format=json 2>/dev/null | python3 -c '
+import json, sys
+status = json.load(sys.stdin)
+slots = status.get("slots", [])
+names = {n: i.get("bootname", "") for slot in (slots if isinstance(slots, list) else [slots]) for n, i in slot.items()}
+print("booted=%s primary=%s" % (names.get(status.get("booted"), status.get("booted") or "?"),
+                                names.get(status.get("boot_primary"), "?")))' 2>/dev/null)
+    say "SLOT ${slots:-booted=? primary=?} version=$(sed -n 's/^VERSION=//p' /etc/edge-gateway-release)"
     rauc status --detailed 2>&1 | grep -E 'rootfs\.[01]|boot status|bundle.version|installed.timestamp' \
         | while IFS= read -r line; do say "  rauc: $line"; done
 }

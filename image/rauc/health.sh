@@ -31,8 +31,19 @@ confirmed=$(cat "$STATE/confirmed-$slot" 2>/dev/null || true)
 
 # Which slot RAUC considers primary (the one it installed last and marked for boot): booting another one means the
 # boot loader fell back, or the health check of the primary failed.
-primary=$(rauc status --output-format=shell 2>/dev/null | sed -n "s/^RAUC_BOOT_PRIMARY='\(.*\)'/\1/p")
-booted=$(rauc status --output-format=shell 2>/dev/null | sed -n "s/^RAUC_SYSTEM_BOOTED_BOOTNAME='\(.*\)'/\1/p")
+# rauc's JSON status: "booted" (a bootname) and "boot_primary" (a slot name, rootfs.N), as bootnames.
+rauc_slots() {
+    rauc status --output-format=json 2>/dev/null | python3 -c '
+import json, sys
+status = json.load(sys.stdin)
+slots = status.get("slots", [])
+names = {n: i.get("bootname", "") for slot in (slots if isinstance(slots, list) else [slots]) for n, i in slot.items()}
+print(names.get(status.get("booted"), status.get("booted") or "?"), names.get(status.get("boot_primary"), "?"))
+' 2>/dev/null || echo "? ?"
+}
+read -r booted primary <<EOS
+$(rauc_slots)
+EOS
 
 deadline=$(( $(uptime_s) + HEALTH_TIMEOUT ))
 why=""
@@ -95,7 +106,7 @@ if [ -z "$why" ]; then
     fi
     if [ "$last_outcome" = rolling_back ]; then
         report rolled_back "the update to $previous was not healthy: back on slot $slot"
-    elif [ -n "$primary" ] && [ -n "$booted" ] && [ "$primary" != "$booted" ]; then
+    elif [ "$primary" != "?" ] && [ "$booted" != "?" ] && [ "$primary" != "$booted" ]; then
         report rolled_back "booted $booted, not the primary slot $primary: its update did not come up"
     elif [ -n "$previous" ] && [ "$previous" != "$version" ]; then
         report updated "healthy: marked good"
