@@ -48,9 +48,10 @@ from typing import Any
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.routing import SubscriptionRecord, retained_size
-from gateway.broker.session import CLOSED, CONNECTED, Connection, Session
-from gateway.broker.store import MemoryStore, SessionStore
+from gateway.broker.retained_store import retained_size
+from gateway.broker.session_state import CLOSED, CONNECTED, Connection, Session
+from gateway.broker.store_port import MemoryStore, SessionStore
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.errors import MQTTError
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (

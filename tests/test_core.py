@@ -15,8 +15,8 @@ import pytest
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session import CLOSED, CONNECTED, NO_ENTRIES, NO_QUEUE
-from gateway.broker.store import ChangeLog, MemoryStore, StoreChange
+from gateway.broker.session_state import CLOSED, CONNECTED, NO_ENTRIES, NO_QUEUE
+from gateway.broker.store_port import ChangeLog, MemoryStore, StoreChange
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (
     Connack,

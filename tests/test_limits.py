@@ -14,8 +14,8 @@ from test_core import Client
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session import CLOSED, CONNECTED
-from gateway.broker.store import MemoryStore
+from gateway.broker.session_state import CLOSED, CONNECTED
+from gateway.broker.store_port import MemoryStore
 from gateway.mqtt.packets import (
     PingReq,
     PingResp,

@@ -30,7 +30,7 @@ from helpers import RawClient, wait_until
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, PubRec, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store.lmdb_store import LmdbStore, StoreSettings

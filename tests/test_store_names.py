@@ -26,8 +26,8 @@ from helpers import BrokerProcess, RawClient
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec

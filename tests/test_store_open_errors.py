@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import Session
+from gateway.broker.session_state import Session
 from gateway.store.lmdb_store import LmdbStore, StoreError, StoreSettings
 
 

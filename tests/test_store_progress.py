@@ -29,7 +29,7 @@ from test_systemd_notify import NotifySocket
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.server.load_progress import LoadReporter, progress_interval
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
 from gateway.store.loading import LoadProgress

@@ -42,7 +42,7 @@ from pki import Issued, issue, make_pki
 from gateway.auth.tls import TlsSettings, build_server_context
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.store import MemoryStore
+from gateway.broker.store_port import MemoryStore
 from gateway.server.protocol import BrokerIO
 from gateway.server.tls_accept import TlsListener
 

@@ -9,7 +9,7 @@ import logging
 import secrets
 from typing import Any
 
-from gateway.broker.access import authenticate, client_rules, listener_access, redecide
+from gateway.broker.access_decisions import authenticate, client_rules, listener_access, redecide
 from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import pump, resend
 from gateway.broker.limits import ZoneLimits, topic_limit_error
@@ -17,8 +17,8 @@ from gateway.broker.message import is_utf8
 from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect
-from gateway.broker.session import AWAITING_CONNECT, CONNECTED, HELD, NEVER, NO_QUEUE, Connection, Session
-from gateway.broker.sessions import close, end_session, expire_session
+from gateway.broker.session_lifecycle import close, end_session, expire_session
+from gateway.broker.session_state import AWAITING_CONNECT, CONNECTED, HELD, NEVER, NO_QUEUE, Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
 from gateway.mqtt.packets import CONNACK, MQTT_3_1, MQTT_5, Connack, Connect
@@ -123,7 +123,7 @@ def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
 
 
 def _authorise(core: BrokerState, conn: Connection, p: Connect, client_id: str, now: float) -> tuple[Any, Any]:
-    """Authenticate the CONNECT and check its Will Topic against the ACL (:mod:`gateway.broker.access`):
+    """Authenticate the CONNECT and check its Will Topic against the ACL (:mod:`gateway.broker.access_decisions`):
     ``(user name, ACL rules)``, or the connection refused (0x86 / 0x87; 3.1.1: 4 / 5) and closed
     [MQTT-3.1.4-2]. A refused authentication counts against the address (the failure throttle)."""
     access = listener_access(core, conn.listener)

@@ -14,7 +14,7 @@ import logging
 from gateway.broker.inflight import send_new
 from gateway.broker.message import Delivery, Message
 from gateway.broker.output import write_publish
-from gateway.broker.session import Session
+from gateway.broker.session_state import Session
 from gateway.broker.state import BrokerState
 
 log = logging.getLogger("gateway.broker")

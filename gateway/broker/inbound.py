@@ -14,8 +14,8 @@ from gateway.broker.qos2 import duplicate, received
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
 from gateway.broker.router import publish
-from gateway.broker.session import CONNECTED, Connection, aliases_in_for_write
-from gateway.broker.sessions import close
+from gateway.broker.session_lifecycle import close
+from gateway.broker.session_state import CONNECTED, Connection, aliases_in_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import MQTTError, ProtocolError
 from gateway.mqtt.packets import MQTT_5, PubAck, Publish, PubRec

@@ -137,8 +137,8 @@ class BrokerSettings:
     max_retained_messages: int = 10_000
     max_retained_bytes: int = 64 * 1024 * 1024
     zones: dict[str, ZoneLimits] = field(default_factory=lambda: dict(ZONE_DEFAULTS))
-    #: per listener name: who may connect and what they may do (``gateway.broker.access.ListenerAccess``, built
-    #: by the server layer from ``allow_anonymous``, ``password_file``, ``acl_file``; none: anyone, anything)
+    #: per listener name: who may connect and what they may do (``gateway.broker.access_decisions.ListenerAccess``,
+    #: built by the server layer from ``allow_anonymous``, ``password_file``, ``acl_file``; none: anyone, anything)
     access: dict[str, Any] = field(default_factory=dict)
-    #: back-off after failed CONNECTs per address (``gateway.broker.access.Throttle``), or ``None``
+    #: back-off after failed CONNECTs per address (``gateway.broker.access_decisions.Throttle``), or ``None``
     throttle: Any = None

@@ -15,8 +15,8 @@ from gateway.broker.qos2 import expire_awaiting_rel
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import disconnect
 from gateway.broker.router import sweep_retained
-from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, Connection
-from gateway.broker.sessions import close, expire
+from gateway.broker.session_lifecycle import close, expire
+from gateway.broker.session_state import AWAITING_CONNECT, CLOSED, CONNECTED, Connection
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5
 from gateway.mqtt.reason_codes import ReasonCode as RC

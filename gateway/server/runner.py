@@ -18,8 +18,8 @@ from gateway.auth.throttle import FailureThrottle
 from gateway.auth.tls import TlsConfigError, build_server_context
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
-from gateway.broker.store import MemoryStore, SessionStore
-from gateway.server.access import reload_access
+from gateway.broker.store_port import MemoryStore, SessionStore
+from gateway.server.auth_files import reload_access
 from gateway.server.config import GatewayConfig
 from gateway.server.load_progress import LoadReporter
 from gateway.server.notify import SystemdNotify, install_debug_hang

@@ -1,4 +1,4 @@
-"""The LMDB implementation of the broker's :class:`~gateway.broker.store.SessionStore` (DESIGN.md §4).
+"""The LMDB implementation of the broker's :class:`~gateway.broker.store_port.SessionStore` (DESIGN.md §4).
 
 - One environment under ``[store] path``, named databases (see :mod:`gateway.store.records`).
 - All writes on one writer thread. The event loop records changes into the open batch; the batch is handed to
@@ -39,7 +39,7 @@ Modules of the store (imports go down this list only):
 - :mod:`gateway.store.writer`: :class:`~gateway.store.writer.LmdbWriter` (the base of :class:`LmdbStore`): the
   environment, the writer thread, group commit, applying operations, reference counts, isolation of failing
   changes, full store or disk, writing ahead;
-- :mod:`gateway.store.pager`: :class:`~gateway.store.pager.LmdbPager`, queue rows read back as a queue drains;
+- :mod:`gateway.store.lmdb_pager`: :class:`~gateway.store.lmdb_pager.LmdbPager`, queue rows read back as a queue drains;
 - :mod:`gateway.store.settings`, :mod:`gateway.store.tables` (the named databases), :mod:`gateway.store.records`
   (record formats and keys); :mod:`gateway.store.tools` (``edge-gateway store ...``) uses :class:`LmdbStore`.
 """
@@ -65,11 +65,12 @@ import lmdb
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import OFFLINE_MEM_LEN
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import NEVER, Session
-from gateway.broker.store import LoadedState, OutboxRecord
+from gateway.broker.session_state import NEVER, Session
+from gateway.broker.store_port import LoadedState, OutboxRecord
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.primitives import encode_string
 from gateway.store import records as rec
+from gateway.store.lmdb_pager import LmdbPager
 from gateway.store.loading import (
     Expired,
     Loading,
@@ -83,7 +84,6 @@ from gateway.store.loading import (
     load_subscriptions,
     remove_expired,
 )
-from gateway.store.pager import LmdbPager
 from gateway.store.settings import StoreSettings
 from gateway.store.writer import (
     _DEL,

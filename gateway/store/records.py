@@ -43,8 +43,8 @@ import hashlib
 import struct
 
 from gateway.broker.message import NO_IDS, Delivery, Message
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import Session
+from gateway.broker.session_state import Session
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.packets import PUBLISH, Will
 from gateway.mqtt.primitives import decode_binary, decode_string, decode_vbi, encode_binary, encode_string
 from gateway.mqtt.properties import NO_PROPERTIES, WILL, decode_properties, encode_properties

@@ -12,7 +12,7 @@ import logging
 
 from gateway.broker.message import Message
 from gateway.broker.router import publish
-from gateway.broker.session import CLOSED, NEVER, Connection, Session
+from gateway.broker.session_state import CLOSED, NEVER, Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5, Will
 from gateway.mqtt.properties import PropertyId as P

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import MessageQueue
-from gateway.broker.routing import SubscriptionRecord
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import Will
 
 if TYPE_CHECKING:
-    from gateway.broker.pager import QueuePager
+    from gateway.broker.queue_pager import QueuePager
 
 #: Session Expiry Interval meaning "never expires" (MQTT 5.0 §3.1.2.11.2).
 NEVER = 0xFFFFFFFF
@@ -74,8 +74,9 @@ class Session:
         unsent: deliveries of the Inflight Window not yet re-sent on the current connection, oldest first: a
             session resumed with a Receive Maximum smaller than what it has in flight gets the rest as slots free
             [MQTT-3.3.4-9].
-        acl: its ACL rules (``gateway.broker.access.ClientRules``), ``None`` without an ``acl_file``.
-        partial: keys of its subscriptions decided PARTIAL (checked per message, :mod:`gateway.broker.access`).
+        acl: its ACL rules (``gateway.broker.access_decisions.ClientRules``), ``None`` without an ``acl_file``.
+        partial: keys of its subscriptions decided PARTIAL (checked per message,
+            :mod:`gateway.broker.access_decisions`).
 
     Until its first subscription a session's ``subscriptions``, ``inflight`` and ``mqueue`` are the shared empty
     read-only stand-ins :data:`NO_ENTRIES` and :data:`NO_QUEUE` (written only after :meth:`start_receiving`), and
