@@ -46,10 +46,11 @@ import struct
 from typing import Any
 
 from gateway.broker.broker import Broker
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.retained_store import retained_size
-from gateway.broker.session_state import CLOSED, CONNECTED, Connection, Session
+from gateway.broker.session_state import Connection, Session
 from gateway.broker.store_port import MemoryStore, SessionStore
 from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.errors import MQTTError

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from gateway.broker.broker import Broker
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session_state import CLOSED, CONNECTED, NO_ENTRIES, NO_QUEUE
+from gateway.broker.session_state import NO_ENTRIES, NO_QUEUE
 from gateway.broker.store_port import ChangeLog, MemoryStore, StoreChange
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (

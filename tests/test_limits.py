@@ -13,8 +13,8 @@ import pytest
 from test_core import Client
 
 from gateway.broker.broker import Broker
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session_state import CLOSED, CONNECTED
 from gateway.broker.store_port import MemoryStore
 from gateway.mqtt.packets import (
     PingReq,

@@ -18,7 +18,7 @@ CONNECT (:func:`authenticate`, MQTT 5.0 §3.1.4, §3.2.2.2; MQTT 3.1.1 §3.2.2.3
 
 Refusals close the connection [MQTT-3.1.4-2] [MQTT-3.2.2-7]. Failed attempts from one address are slowed by the
 I/O layer's throttle (:class:`Throttle`, ``gateway.auth.throttle.FailureThrottle``): once an address is throttled
-its CONNECT is held (:data:`~gateway.broker.session_state.HELD`) for the delay before it is checked, whatever its
+its CONNECT is held (:data:`~gateway.broker.connection_states.HELD`) for the delay before it is checked, whatever its
 password, so a client cannot learn the answer sooner by timing it.
 
 ACLs (``acl_file``; :class:`ClientRules` is ``gateway.auth.acl.ClientAcl``): resolved once per connection into

@@ -38,6 +38,7 @@ from gateway.broker import (
     subscribe,
     timers,
 )
+from gateway.broker.connection_states import AWAITING_CONNECT, CLOSED, CONNECTED, HELD
 from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
@@ -45,7 +46,7 @@ from gateway.broker.message import Message
 from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
-from gateway.broker.session_state import AWAITING_CONNECT, CLOSED, CONNECTED, HELD, NEVER, Connection
+from gateway.broker.session_state import NEVER, Connection
 from gateway.broker.state import BrokerState, Stats
 from gateway.broker.store_port import SessionStore
 from gateway.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
@@ -261,7 +262,7 @@ class Broker(BrokerState):
         self.held.discard(conn)
         conn.pending = False
         if conn.state != CLOSED:
-            conn.state = CLOSED
+            conn.move_to(CLOSED)
             session_lifecycle.detach(self, conn, now, publish_will=True)
 
     def pause_writing(self, conn: Connection, now: float) -> None:
@@ -298,7 +299,7 @@ class Broker(BrokerState):
             packets, conn.held = conn.held, []
             if conn.state != HELD:
                 continue
-            conn.state = AWAITING_CONNECT
+            conn.move_to(AWAITING_CONNECT)
             try:
                 connect.on_connect(self, conn, packets[0], now)
                 for packet in packets[1:]:

@@ -10,6 +10,7 @@ import secrets
 from typing import Any
 
 from gateway.broker.access_decisions import authenticate, client_rules, listener_access, redecide
+from gateway.broker.connection_states import AWAITING_CONNECT, CONNECTED, HELD
 from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import pump, resend
 from gateway.broker.limits import ZoneLimits, topic_limit_error
@@ -18,7 +19,7 @@ from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect
 from gateway.broker.session_lifecycle import close, end_session, expire_session
-from gateway.broker.session_state import AWAITING_CONNECT, CONNECTED, HELD, NEVER, NO_QUEUE, Connection, Session
+from gateway.broker.session_state import NEVER, NO_QUEUE, Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
 from gateway.mqtt.packets import CONNACK, MQTT_3_1, MQTT_5, Connack, Connect
@@ -115,7 +116,7 @@ def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
     if delay <= 0:
         return False
     core.stats.refused["auth_throttled"] += 1
-    conn.state = HELD
+    conn.move_to(HELD)
     conn.held = [p]
     conn.held_until = now + delay
     core.held.add(conn)
@@ -329,7 +330,7 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
     conn.session = session
     conn.client_id = session.client_id
     session.conn = conn
-    conn.state = CONNECTED
+    conn.move_to(CONNECTED)
     core.stats.clients_connected += 1
     core.listener_clients[conn.listener] += 1
     core.stats.clients_maximum = max(core.stats.clients_maximum, core.stats.clients_connected)

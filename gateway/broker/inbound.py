@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
 from gateway.broker.output import PUBACK_BYTE, send, send_ack
@@ -15,7 +16,7 @@ from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
 from gateway.broker.router import publish
 from gateway.broker.session_lifecycle import close
-from gateway.broker.session_state import CONNECTED, Connection, aliases_in_for_write
+from gateway.broker.session_state import Connection, aliases_in_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import MQTTError, ProtocolError
 from gateway.mqtt.packets import MQTT_5, PubAck, Publish, PubRec

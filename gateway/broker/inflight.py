@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import AWAIT_COMP, Delivery
 from gateway.broker.output import PUBREL_BYTE, send, send_ack, write_publish
 from gateway.broker.reasons import unknown_packet_id
-from gateway.broker.session_state import CONNECTED, Connection, Session
+from gateway.broker.session_state import Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import PACKET_NAMES, PUBACK, PubAck, PubComp, PubRec, PubRel
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import Message
 from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
 from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.router import publish
-from gateway.broker.session_state import CONNECTED, Connection, Session, awaiting_rel_for_write
+from gateway.broker.session_state import Connection, Session, awaiting_rel_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import PubComp, PubRel
 

@@ -12,6 +12,7 @@ from collections import deque
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from gateway.broker.connection_states import ALLOWED, AWAITING_CONNECT, ConnState, IllegalTransition
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import MessageQueue
@@ -47,12 +48,6 @@ class _NoQueue(MessageQueue):
 #: The shared Message Queue of every session that has never subscribed (or been loaded from the store).
 NO_QUEUE: MessageQueue = _NoQueue(0, 0)
 
-# Connection states.
-AWAITING_CONNECT = 0
-CONNECTED = 1
-CLOSED = 2
-#: CONNECT received and held by the failure throttle until ``Connection.held_until`` (issue 15)
-HELD = 3
 
 
 class Session:
@@ -174,6 +169,7 @@ class Connection:
     """One Network Connection's protocol state. The I/O layer drains ``out`` (and keeps the transport itself).
 
     Attributes:
+        state: a :class:`~gateway.broker.connection_states.ConnState`; changed only by :meth:`move_to`.
         out: encoded packets waiting to be written, in order (written in one call per loop turn).
         close_after_flush: the broker wants the connection closed once ``out`` is written.
         version: Protocol Level (3, 4 or 5) once CONNECT arrived.
@@ -194,7 +190,7 @@ class Connection:
             ``None``; set by the I/O layer before any byte is received.
         username: the verified user name once CONNECT is accepted (``None``: anonymous).
         held / held_until: packets received while the CONNECT (the first of them) is held by the failure
-            throttle, and when it is released (wall-clock seconds; state :data:`HELD`).
+            throttle, and when it is released (wall-clock seconds; state ``HELD``).
         tokens / tokens_at: the ``max_publish_rate`` token bucket (tokens, and when it was last filled).
         deferred / deferred_data: the PUBLISH waiting for a token, and bytes read meanwhile (``max_publish_rate``).
         paused_until: wall-clock seconds until which the I/O layer must not read from this connection
@@ -251,7 +247,7 @@ class Connection:
         self.reader = PacketReader(limits.max_packet_size)
         self.out: list[bytes] = []
         self.close_after_flush = False
-        self.state = AWAITING_CONNECT
+        self.state: ConnState = AWAITING_CONNECT
         self.version = 4
         self.client_id = ""
         self.session: Session | None = None
@@ -284,6 +280,13 @@ class Connection:
         self.deferred_data = b""
         self.check_key: int | None = None
 
+
+    def move_to(self, state: ConnState) -> None:
+        """Change :attr:`state` to ``state``; :class:`~gateway.broker.connection_states.IllegalTransition` when
+        :data:`~gateway.broker.connection_states.ALLOWED` does not list the change (a bug in the core)."""
+        if state not in ALLOWED[self.state]:
+            raise IllegalTransition(self.state, state)
+        self.state = state
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"
 

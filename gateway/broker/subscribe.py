@@ -5,12 +5,13 @@ messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
 from __future__ import annotations
 
 from gateway.broker.access_decisions import decide, may_read
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.delivery import deliver
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import suback_failure
-from gateway.broker.session_state import CONNECTED, NO_QUEUE, Connection, Session, partial_for_write
+from gateway.broker.session_state import NO_QUEUE, Connection, Session, partial_for_write
 from gateway.broker.state import BrokerState
 from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.errors import ProtocolError

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from gateway.broker.connection_states import AWAITING_CONNECT, CLOSED, CONNECTED
 from gateway.broker.deadlines import next_check
 from gateway.broker.delivery import STALLED_AFTER, sweep_expired
 from gateway.broker.inflight import resend
@@ -16,7 +17,7 @@ from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import disconnect
 from gateway.broker.router import sweep_retained
 from gateway.broker.session_lifecycle import close, expire
-from gateway.broker.session_state import AWAITING_CONNECT, CLOSED, CONNECTED, Connection
+from gateway.broker.session_state import Connection
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5
 from gateway.mqtt.reason_codes import ReasonCode as RC
