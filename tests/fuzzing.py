@@ -1,5 +1,5 @@
-"""The fuzz target over the codec and the broker's packet handling, in process (sans-I/O; issue 15, "Hostile
-clients and fuzzing").
+"""The fuzz target over the codec and the broker's packet handling, in process (sans-I/O): hostile clients must
+not crash or wedge the broker (docs/reliability.md).
 
 :func:`run_input` turns one input (bytes from a fuzzing engine: atheris/libFuzzer in ``make fuzz``, hypothesis in
 tests/test_fuzz.py) into a bounded script against a fresh :class:`~gateway.broker.broker.Broker` with tight limits:

@@ -1,4 +1,4 @@
-"""Long store work shows progress (issue 18), on a store of 6,000 sessions with 4 queued messages each built by the
+"""Long store work shows progress, on a store of 6,000 sessions with 4 queued messages each built by the
 test through the real LmdbStore (about 32,000 rows).
 
 - ``edge-gateway store inspect`` and ``store compact`` under a pseudo-terminal (the ``pty`` module) draw a tqdm

@@ -1,4 +1,4 @@
-"""TLS listeners (issue 15, "TLS"): a real broker process with a server-only TLS listener, a ``require_certificate``
+"""TLS listeners ("TLS"): a real broker process with a server-only TLS listener, a ``require_certificate``
 listener and a plaintext loopback listener, certificates made by tests/pki.py.
 
 - paho-mqtt (``tls_set``) and ``mosquitto_pub``/``mosquitto_sub`` (``--cafile``, ``--cert``/``--key``) exchange QoS 1

@@ -1,4 +1,4 @@
-"""Authentication and topic ACLs in the core (issue 15), sans-I/O: the rules arrive as objects, never as files.
+"""Authentication and topic ACLs in the core, sans-I/O: the rules arrive as objects, never as files.
 
 The server layer reads each listener's ``password_file`` and ``acl_file`` (:mod:`gateway.auth`) and hands the parsed
 objects in through :attr:`BrokerSettings.access <gateway.broker.limits.BrokerSettings.access>` (one

@@ -108,7 +108,7 @@ class Broker(BrokerState):
             self.offline.add(session)
             if session.will is not None and session.will_at is not None:
                 self.wills.add(session)
-        if self.read_checks:  # their ACL rules and subscription decisions (issue 15)
+        if self.read_checks:  # their ACL rules and subscription decisions
             for session in state.sessions:
                 access_decisions.restore_rules(self, session)
         if state.sessions or state.retained:
@@ -200,7 +200,7 @@ class Broker(BrokerState):
                     if not connect.hold(self, conn, packet, now):
                         connect.on_connect(self, conn, packet, now)
                 elif conn.state == HELD:
-                    conn.held.append(packet)  # handled once the throttled CONNECT is (issue 15)
+                    conn.held.append(packet)  # handled once the throttled CONNECT is
                 else:
                     return
         except inbound.ReadPaused as paused:

@@ -105,7 +105,7 @@ def _take_over(core: BrokerState, conn: Connection, session: Session, now: float
 
 
 def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
-    """Hold the CONNECT ``p`` when its address is throttled after failed attempts (issue 15): the connection
+    """Hold the CONNECT ``p`` when its address is throttled after failed attempts: the connection
     waits in state :data:`HELD` until ``held_until``, when :meth:`Broker.tick` hands it to :func:`on_connect`
     (with the packets that arrived meanwhile). Held before it is checked, whatever its password, so its answer
     cannot be timed. True when held."""
@@ -195,7 +195,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         session is None or session.conn is None or session.conn.listener != conn.listener
     ):
         # A take-over on the same listener frees a slot as it takes one; connections awaiting CONNECT are
-        # bounded by connect_timeout instead (issue 15).
+        # bounded by connect_timeout instead.
         core.stats.refused["max_connections"] += 1
         refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_connections = {max_conns} reached on listener "
                f"{conn.listener!r}", now)
@@ -203,7 +203,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     max_sessions = core.settings.max_sessions
     if session is None and granted and max_sessions and core.persistent_count >= max_sessions:
         # A new persistent session past the cap; resuming or taking over an existing one is always allowed,
-        # and nothing of any other client is touched (issue 13).
+        # and nothing of any other client is touched.
         core.stats.refused["max_sessions"] += 1
         refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_sessions = {max_sessions} persistent sessions reached", now)
         return
@@ -214,7 +214,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         and session.username != user
         and not (session.conn is None and session.expires_at is not None and now >= session.expires_at)
     ):
-        # Only its own user may take over or resume an authenticated user's session (issue 15; stricter than
+        # Only its own user may take over or resume an authenticated user's session (stricter than
         # Mosquitto, which lets any client take over any Client Identifier): 0x87 / 3.1.1 return code 5.
         core.stats.refused["takeover_not_authorized"] += 1
         refuse(core, conn, RC.NOT_AUTHORIZED, "the Client Identifier belongs to another user's session", now)

@@ -91,7 +91,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
         reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
         return
-    acl = session.acl  # None without an acl_file: one comparison, nothing else (issue 15)
+    acl = session.acl  # None without an acl_file: one comparison, nothing else
     if acl is not None and not acl.may_publish(topic):
         # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
         # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
@@ -119,7 +119,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             if qos and v5:
                 reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
                 return
-            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained (issue 15).
+            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained.
             retain = False
             core.stats.refused[limit] += 1
             core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
@@ -242,7 +242,7 @@ def _qos1_committed(
     core: BrokerState, conn: Connection, p: Publish, reason: int, now: float, full: bool | None = None
 ) -> None:
     """The commit a QoS 1 PUBLISH waited for, as ``when_durable``'s callback and its ``on_failure`` both (one
-    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish, issue 20).
+    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish).
 
     Called without ``full``: the work is durable, PUBACK with ``reason`` (DESIGN.md §4); the common one (reason 0,
     MQTT 5.0 §3.4.2.1: then the Reason Code may be left out) as its 4 bytes

@@ -54,7 +54,7 @@ class ZoneLimits:
         max_connections: connected clients on this listener at once (Mosquitto's and EMQX's
             ``max_connections``); one more CONNECT gets CONNACK 0x97 Quota exceeded (3.1.1: 0x03 Server
             unavailable) and is closed; a take-over on the same listener is always allowed; 0 = no limit.
-            Connections still awaiting CONNECT are bounded by ``connect_timeout`` instead (issue 15).
+            Connections still awaiting CONNECT are bounded by ``connect_timeout`` instead.
         max_topic_length: longest Topic Name or Topic Filter, UTF-8 bytes (the protocol allows 65535); refused
             as ``max_topic_levels`` is; 0 = no limit. Every queued message holds its topic, so this bounds a
             Message Queue's topic bytes too.

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.broker")
 
 #: Entries an offline persistent session keeps in memory at most (the rest wait only in the store): abandoned
-#: sessions must not hold their queues in memory (issue 13: 2,000 offline sessions with 1,000 messages each took
+#: sessions must not hold their queues in memory (2,000 offline sessions with 1,000 messages each took
 #: 515 MiB of anonymous memory when every queue was held whole). A session that comes back gets ``mem_len_online``.
 OFFLINE_MEM_LEN = 16
 

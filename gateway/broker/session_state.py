@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 NEVER = 0xFFFFFFFF
 
 #: Shared read-only stand-ins for per-session and per-connection containers that most clients never use (an idle
-#: connection must stay small, issue 20): replaced by a real set/dict on the first write (see the ``*_for_write``
+#: connection must stay small): replaced by a real set/dict on the first write (see the ``*_for_write``
 #: helpers below, and :meth:`Session.start_receiving`).
 NO_KEYS: frozenset[str] = frozenset()
 NO_ENTRIES: MappingProxyType[Any, Any] = MappingProxyType({})
@@ -64,7 +64,7 @@ class Session:
         expires_at: wall-clock seconds when an offline session ends, else ``None``.
         will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.
         username: the verified user name of the client that owns the session (``None``: anonymous); another
-            user may not take the session over (issue 15). Kept in the store.
+            user may not take the session over. Kept in the store.
         listener: the name of the listener its client last connected on (whose ``acl_file`` applies).
         unsent: deliveries of the Inflight Window not yet re-sent on the current connection, oldest first: a
             session resumed with a Receive Maximum smaller than what it has in flight gets the rest as slots free
@@ -76,7 +76,7 @@ class Session:
     Until its first subscription a session's ``subscriptions``, ``inflight`` and ``mqueue`` are the shared empty
     read-only stand-ins :data:`NO_ENTRIES` and :data:`NO_QUEUE` (written only after :meth:`start_receiving`), and
     ``awaiting_rel`` is :data:`NO_ENTRIES` until its first QoS 2 PUBLISH (:func:`awaiting_rel_for_write`): about
-    370 bytes less for a client that only publishes (issue 20). Reading them needs no care.
+    370 bytes less for a client that only publishes. Reading them needs no care.
     """
 
     __slots__ = (
@@ -269,7 +269,7 @@ class Connection:
         self.pending = False
         self.pending_acks: list[int] | tuple[()] = ()
         self.pending_data = b""
-        self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
+        self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue
         self.username: str | None = None
         self.held: list[Any] | tuple[()] = ()  # a list while the CONNECT is held (connect.hold)
         self.held_until = 0.0

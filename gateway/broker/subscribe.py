@@ -77,7 +77,7 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
             )
             codes.append(suback_failure(conn.version, RC.QUOTA_EXCEEDED))
             continue
-        # Decided once per subscription (issue 15): NONE refused, ALL never checked again, PARTIAL per message.
+        # Decided once per subscription: NONE refused, ALL never checked again, PARTIAL per message.
         readable = decide(session.acl, inner)
         if readable == "none":
             core.stats.refused["acl_subscribe"] += 1
@@ -113,7 +113,7 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         for record in retained:
             for message in core.retained.matching(record.topic_filter):
                 if message.expired(now) or not may_read(session, record.key, message.topic):
-                    continue  # retained messages obey read too (issue 15)
+                    continue  # retained messages obey read too
                 # A retained message sent because of a new subscription has RETAIN=1 [MQTT-3.3.1-8].
                 ids = [record.sub_id] if record.sub_id is not None else []
                 deliver(core, session, message, min(message.qos, record.qos), True, ids, now)

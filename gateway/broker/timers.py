@@ -64,7 +64,7 @@ def check(core: BrokerState, conn: Connection, now: float) -> None:
         return
     if conn.paused and limits.send_timeout and now - conn.paused_at >= limits.send_timeout:
         # Its socket has not drained for send_timeout: a client that stopped reading. Closed without
-        # writing more (nothing can be written); a persistent session keeps its queue (issue 13).
+        # writing more (nothing can be written); a persistent session keeps its queue.
         core.stats.refused["send_timeout"] += 1
         core.rlog.warning(
             now,

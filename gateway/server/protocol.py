@@ -22,7 +22,7 @@ from gateway.broker.session_state import Connection
 log = logging.getLogger("gateway.server")
 
 #: Seconds a connection the broker closed keeps reading (and discarding) after its last packet and a FIN went out,
-#: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data (issue 13).
+#: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data.
 CLOSE_LINGER = 1.0
 
 #: Packets queued for the connection just read after which they are written at once instead of at the end of the

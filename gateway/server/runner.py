@@ -104,7 +104,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         lmdb_store = None
         store = MemoryStore()
         log.warning("store: memory only; persistent sessions and retained messages do not survive a restart")
-    # Who may connect and what they may do, per listener (issue 15; the files were read with the configuration)
+    # Who may connect and what they may do, per listener (the files were read with the configuration)
     config.broker.access = {lc.name: lc.auth.access() for lc in config.listeners}
     config.broker.throttle = FailureThrottle()
     for lc in config.listeners:
