@@ -148,6 +148,25 @@ def _authorise(core: BrokerState, conn: Connection, p: Connect, client_id: str, 
 
 
 def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> None:
+    """CONNECT ``p`` on ``conn`` (state ``AWAITING_CONNECT``), at ``now`` (wall-clock seconds): accept it or refuse it.
+    Statements: MQTT 5.0's numbering.
+
+    Output: a CONNACK on ``conn.out`` and ``conn`` in ``core.dirty``. Accepted: ``conn`` is ``CONNECTED`` to its
+    session (new, resumed or taken over), Session Present set accordingly [MQTT-3.2.2-2] [MQTT-3.2.2-3], the
+    negotiated limits on ``conn`` (Receive Maximum caps the Inflight Window, Maximum Packet Size, Topic Alias
+    Maximum, Server Keep Alive), and unacknowledged PUBLISH (DUP=1) and PUBREL re-sent in order [MQTT-4.4.0-1].
+    Refused: a CONNACK with a Reason Code >= 0x80 (3.1.1: return code 1-5) and ``conn`` closed after it
+    [MQTT-3.2.2-5]; no session is touched.
+
+    In order: enhanced authentication (not supported: 0x8C), the Client Identifier (empty with Clean Start 0 in
+    3.1.1 [MQTT-3.1.3-8], too long: ``max_clientid_len``; an empty one is assigned [MQTT-3.1.3-6]), the Will
+    (QoS, topic, ACL), authentication (:func:`~gateway.broker.access_decisions.authenticate`; a throttled address
+    is held first, :func:`hold`), ``max_connections`` and ``max_sessions`` (0x97), session ownership on take-over
+    (0x87). Then the existing session with that Client Identifier: its connection is closed (take-over
+    [MQTT-3.1.4-3]; 5.0: DISCONNECT 0x8E), Clean Start discards it [MQTT-3.1.2-4], an expired one is gone
+    [MQTT-4.1.0-2], a pending delayed Will is cancelled [MQTT-3.1.3-9]. Errors: none raised; a malformed CONNECT
+    was refused by the codec before this.
+    """
     v5 = p.protocol_level == MQTT_5
     conn.version = MQTT_5 if v5 else 4
     limits = conn.limits

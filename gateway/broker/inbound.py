@@ -38,6 +38,22 @@ class ReadPaused(Exception):
 
 
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
+    """PUBLISH ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT 5.0's
+    numbering.
+
+    Checks, in order: the ``max_publish_rate`` token (none left: the PUBLISH waits, ``conn.paused_until``), the
+    Topic Alias (set or resolved, per connection; beyond the maximum [MQTT-3.3.2-9]: Protocol Error), no
+    Subscription Identifier from a client [MQTT-3.3.4-6], the Topic Name [MQTT-3.3.2-1] [MQTT-4.7.3-1] and the
+    Response Topic [MQTT-3.3.2-14], Receive Maximum (one QoS 1/2 PUBLISH too many: DISCONNECT 0x93
+    [MQTT-3.3.4-7]), ``$SYS`` and the write ACL (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` /
+    ``max_topic_length`` (0x90), store room for persistent work (0x97; 3.1.1: no acknowledgement, disconnect).
+
+    Output: the :class:`~gateway.broker.message.Message` routed (:func:`gateway.broker.router.publish`), for QoS 2
+    kept under its Packet Identifier until PUBREL instead (:mod:`gateway.broker.qos2`); PUBACK / PUBREC (5.0:
+    0x10 No matching subscribers when nobody took it) once what the message caused is durable
+    (``store.when_durable``, DESIGN.md §4), or 0x97 / a disconnect when that commit fails. Errors:
+    :class:`~gateway.mqtt.errors.ProtocolError` (the caller closes the connection with its Reason Code).
+    """
     session = conn.session
     assert session is not None
     limits = conn.limits

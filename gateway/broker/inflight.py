@@ -232,6 +232,8 @@ def on_pubcomps(core: BrokerState, conn: Connection, pids: list[int], now: float
 
 
 def on_pubrec(core: BrokerState, conn: Connection, p: PubRec, now: float) -> None:
+    """PUBREC ``p`` for a QoS 2 message this broker sent on ``conn``: as :func:`pubrec` (PUBREL once durable
+    [MQTT-4.3.3-4], the flow's end on a refusal >= 0x80, PUBREL 0x92 for an unknown identifier, 5.0)."""
     pubrec(core, conn, p.packet_id, p.reason_code, now)
 
 

@@ -54,6 +54,9 @@ def pubrec(core: BrokerState, conn: Connection, pid: int) -> None:
 
 
 def on_pubrel(core: BrokerState, conn: Connection, p: PubRel, now: float) -> None:
+    """PUBREL ``p`` from ``conn``'s client for a QoS 2 message it sent: as :func:`pubrel` (the held message routed
+    onward once, the identifier forgotten, PUBCOMP once durable [MQTT-4.3.3-11] [MQTT-4.3.3-12]; an unknown
+    identifier still gets PUBCOMP, 5.0: 0x92)."""
     pubrel(core, conn, p.packet_id, now)
 
 

@@ -22,6 +22,16 @@ from gateway.mqtt.topics import parse_shared, topic_filter_error
 
 
 def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) -> None:
+    """SUBSCRIBE ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT
+    5.0's numbering.
+
+    Each Topic Filter is checked (syntax, ``max_topic_levels``/``max_topic_length`` 0x8F, ``max_subscriptions``
+    0x97, the read ACL decided once: NONE 0x87, ALL, or PARTIAL checked per message; shared subscriptions with
+    No Local are a Protocol Error [MQTT-3.8.3-4]) and added or replaced [MQTT-3.8.4-3] with the Subscription
+    Identifier of the packet [MQTT-3.8.2.1.2]. Output: a SUBACK with one code per filter in order [MQTT-3.8.4-6]
+    once the subscriptions are durable (persistent session), then the retained messages each new subscription
+    gets under its Retain Handling [MQTT-3.3.1-9] [MQTT-3.3.1-10] [MQTT-3.8.4-4].
+    """
     session = conn.session
     assert session is not None
     # A Subscription Identifier (5.0) applies to every filter of this SUBSCRIBE [MQTT-3.8.2.1.2].
