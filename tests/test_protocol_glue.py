@@ -15,6 +15,7 @@ import pytest
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
+from gateway.broker.session_state import Connection
 from gateway.broker.store_port import MemoryStore
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import Connack, Connect, PubAck, Publish
@@ -58,21 +59,24 @@ class FakeTransport:
     def is_closing(self) -> bool:
         return self.closing
 
+    def _record(self, call: str, closing: bool | None = None, reading: bool | None = None) -> None:
+        self.calls.append(call)
+        if closing is not None:
+            self.closing = closing
+        if reading is not None:
+            self.reading = reading
+
     def close(self) -> None:
-        self.calls.append("close")
-        self.closing = True
+        self._record("close", closing=True)
 
     def abort(self) -> None:
-        self.calls.append("abort")
-        self.closing = True
+        self._record("abort", closing=True)
 
     def pause_reading(self) -> None:
-        self.calls.append("pause_reading")
-        self.reading = False
+        self._record("pause_reading", reading=False)
 
     def resume_reading(self) -> None:
-        self.calls.append("resume_reading")
-        self.reading = True
+        self._record("resume_reading", reading=True)
 
 
 def _packets(transport: FakeTransport, version: int = 4) -> list[Any]:
@@ -94,6 +98,15 @@ async def _turn() -> None:
     """Let the loop run the end-of-turn flush."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)
+
+
+async def _connected() -> tuple[Broker, BrokerIO, MQTTProtocol, FakeTransport, Connection]:
+    """A connection whose CONNECT was accepted and its CONNACK written."""
+    broker, io, proto, transport = _setup()
+    proto.data_received(Connect(client_id="glue").encode(4))
+    await _turn()
+    assert proto.conn is not None
+    return broker, io, proto, transport, proto.conn
 
 
 async def test_connection_made_registers_the_peer_and_the_write_buffer_limits() -> None:
@@ -140,11 +153,7 @@ async def test_the_linger_ends_in_a_close(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 async def test_a_stuck_connection_the_core_aborts_is_aborted_without_writing() -> None:
-    broker, io, proto, transport = _setup()
-    proto.data_received(Connect(client_id="glue").encode(4))
-    await _turn()
-    conn = proto.conn
-    assert conn is not None
+    broker, io, _, transport, conn = await _connected()
     conn.out.append(b"\x30\x03\x00\x01t")  # output the core left, then gave up on (send_timeout)
     conn.abort = True
     broker.dirty.add(conn)
@@ -172,11 +181,7 @@ async def test_a_rate_pause_pauses_reading_until_the_core_says_and_then_resumes(
 
 
 async def test_connection_lost_tells_the_core_and_forgets_the_transport() -> None:
-    broker, io, proto, transport = _setup()
-    proto.data_received(Connect(client_id="glue").encode(4))
-    await _turn()
-    conn = proto.conn
-    assert conn is not None
+    broker, io, proto, transport, conn = await _connected()
     proto.connection_lost(None)
     assert conn not in broker.connections and io.transports == {} and proto.transport is None
     proto.data_received(b"\xc0\x00")  # late bytes after the close: nothing happens
