@@ -20,10 +20,9 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: another tree can be measured
 
-from gateway.broker.store import MemoryStore
-
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
+from gateway.broker.store_port import MemoryStore
 from gateway.mqtt.packets import Connect, Disconnect
 
 
