@@ -172,6 +172,7 @@ async def test_a_rate_pause_pauses_reading_until_the_core_says_and_then_resumes(
     while not transport.reading and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert transport.reading and proto not in io.rate_paused
+    await _turn()  # the flush of the turn that handled the last PUBLISH
     # Each PUBLISH that waited for a token is handled when its pause ends, and reading stays paused (asyncio's
     # pause_reading is idempotent) until none waits: one resume, after the last pause.
     flow = [c for c in transport.calls if c.endswith("_reading")]
