@@ -415,7 +415,7 @@ class Broker:
         return int(m[-1]) if m else None
 
 
-#: The edge-gateway variant with Prometheus metrics on and scraped (issue 18): ``--brokers edge-gateway+metrics``.
+#: The edge-gateway variant with Prometheus metrics on and scraped: ``--brokers edge-gateway+metrics``.
 METRICS_KIND = "edge-gateway+metrics"
 _EGW_METRICS = re.compile(r"metrics: Prometheus /metrics on http://127\.0\.0\.1:(\d+)/metrics")
 

@@ -28,7 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.store import MemoryStore
+from gateway.broker.store_port import MemoryStore
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import Connect, PubAck, PubComp, Publish, PubRec, PubRel, Subscribe, Subscription
 

@@ -1,4 +1,4 @@
-"""Many clients (issue 20): ``--publishers`` connected clients each publishing one QoS 1 message a second, beside
+"""Many clients: ``--publishers`` connected clients each publishing one QoS 1 message a second, beside
 ``--idle`` connected clients that send nothing, for Mosquitto and edge-gateway side by side. Reported: publish ->
 deliver latency (p50/p99/max, from the send time in each payload to its arrival at a subscriber), the broker's RSS
 with everyone connected and while publishing, its CPU, and the load generator's own CPU.

@@ -1,4 +1,4 @@
-"""What one Prometheus scrape costs edge-gateway (issue 18), measured directly rather than as a throughput
+"""What one Prometheus scrape costs edge-gateway, measured directly rather than as a throughput
 difference: broker CPU seconds (utime + stime of all its threads, /proc/PID/stat) per scrape of ``/metrics``,
 with ``--clients`` connected clients, each with a subscription and ``--queued`` QoS 1 messages queued for half of
 them (the collector takes one pass over the sessions on the event loop per scrape).

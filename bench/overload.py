@@ -1,5 +1,5 @@
 """Overload: a publisher far faster than its subscriber. The broker's memory must stay bounded by the configured
-queue limits (issue 4), not grow with the backlog. Runs edge-gateway (max_mqueue_len 1000, durable store) and
+queue limits, not grow with the backlog. Runs edge-gateway (max_mqueue_len 1000, durable store) and
 Mosquitto (max_queued_messages 1000) side by side, each pinned to core 0, and reports each broker's peak RSS while
 a QoS 0 and a QoS 1 publisher send 200 000 x 1 KiB messages to a subscriber that reads nothing for 10 s.
 

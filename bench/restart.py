@@ -1,4 +1,4 @@
-"""Restart to READY with a large offline backlog (issue 20): time from exec to ``READY=1`` on a notification socket
+"""Restart to READY with a large offline backlog: time from exec to ``READY=1`` on a notification socket
 we own, and from a returning client's CONNECT to its first queued PUBLISH, for Mosquitto (``persistence true``) and
 edge-gateway (LMDB store), side by side.
 

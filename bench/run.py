@@ -25,9 +25,9 @@ Scenarios (64-byte payloads, MQTT 3.1.1):
   fanin_tls, qos1_tls   fanin and qos1 over TLS: both brokers' listeners with the same server certificate and key,
            made at bench time (P-256, TLS 1.3 with the ssl module's defaults); the clients verify it
   fanin_acl             fanin with allow_anonymous false, a password file and an ACL file of 1,000 rules (the same
-           files for both brokers; the bench user's grant is its last rule); compare with fanin (issue 15: within 10%)
+           files for both brokers; the bench user's grant is its last rule); compare with fanin (within 10%)
 --brokers mosquitto,edge-gateway,edge-gateway+metrics runs edge-gateway a second time with Prometheus metrics on,
-scraped every second (issue 18: within 3% of edge-gateway).
+scraped every second (within 3% of edge-gateway).
 Broker CPU per message comes from /proc/PID/stat (utime + stime) before/after.
 """
 
@@ -51,7 +51,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import brokers as bench_brokers  # noqa: E402 (issue 18: the metrics variant)
+import brokers as bench_brokers  # noqa: E402 (the metrics variant)
 from brokers import (  # noqa: E402
     ACL_RULES,
     CLK_TCK,
@@ -738,7 +738,7 @@ def run_cell(kind: str, scenario: str, p: Params, tmp: Path, run: int,
             info["bound"] = {f"{scenario}.{k.split('.', 1)[1]}": v for k, v in info.get("bound", {}).items()}
             return {f"{scenario}.{k.split('.', 1)[1]}": v for k, v in res.items()}
 
-    if kind == bench_brokers.METRICS_KIND:  # issue 18: edge-gateway with /metrics on, scraped every second
+    if kind == bench_brokers.METRICS_KIND:  # edge-gateway with /metrics on, scraped every second
         b: Broker = bench_brokers.MetricsGateway(tmp / f"{scenario}-{kind}-{run}", persistence=persistence,
                                    nofile=p.idle_conns + 5000)
     else:
@@ -776,7 +776,7 @@ def main() -> int:
     ap.add_argument("--only", help=f"comma-separated scenarios ({','.join(SCENARIOS)})")
     ap.add_argument("--brokers", default=",".join(KINDS),
                     help="comma-separated brokers; edge-gateway+metrics: edge-gateway with Prometheus metrics on, "
-                    "scraped every second (issue 18)")
+                    "scraped every second")
     ap.add_argument("--no-selfcheck", action="store_true", help="skip the load generator's ceiling")
     ap.add_argument("--out", default=str(RESULTS / "latest.md"))
     args = ap.parse_args()

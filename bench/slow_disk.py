@@ -1,4 +1,4 @@
-"""Durable QoS 1 publish on a slow disk (issue 20): group commit's rate and broker CPU per message when every
+"""Durable QoS 1 publish on a slow disk: group commit's rate and broker CPU per message when every
 fsync takes 5 ms longer.
 
 The issue asks for a file system throttled with ``dm-delay``. This machine's kernel has no device-mapper

@@ -1,4 +1,4 @@
-"""Soak test (issue 13): a long run of well-behaved and hostile clients against one edge-gateway that is killed with
+"""Soak test: a long run of well-behaved and hostile clients against one edge-gateway that is killed with
 SIGKILL every few minutes and restarted on the same store. It checks the two promises that matter on a gateway:
 
 - every QoS 1 message the broker acknowledged (PUBACK) to a well-behaved publisher reaches its persistent subscriber,
@@ -978,7 +978,7 @@ def _hold_and_check(h: Hostile, sc: str, stuck: list[Raw | None], hold: float) -
 
 def sc_stuck_qos0(h: Hostile, sc: str, rng: random.Random, deadline: float, lane: int) -> None:
     """Two subscribers (``#`` and ``soak/flood/#``, QoS 0) stop reading while up to 150 QoS 0 messages of
-    100-900 kB are published (issue 13 item 2), and stay stuck :data:`STUCK_HOLD` seconds more."""
+    100-900 kB are published, and stay stuck :data:`STUCK_HOLD` seconds more."""
     stuck = [_stuck(h, sc, "#", 0, f"soak-h-stuck0a-{lane}", 5),
              _stuck(h, sc, "soak/flood/#", 0, f"soak-h-stuck0b-{lane}", 4)]
     try:

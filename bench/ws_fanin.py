@@ -1,4 +1,4 @@
-"""QoS 0 fan-in over WebSockets (issue 18): edge-gateway's ``protocol = "websockets"`` listener beside Mosquitto's
+"""QoS 0 fan-in over WebSockets: edge-gateway's ``protocol = "websockets"`` listener beside Mosquitto's
 ``protocol websockets`` listener, in the same run on the same machine.
 
     .venv/bin/python bench/ws_fanin.py [--runs 3] [--count 50000] [--publishers 4]

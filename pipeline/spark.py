@@ -26,7 +26,7 @@ FORCED: dict[str, str] = {
 DEFAULT_MASTER = "local[*]"
 LOCAL_DRIVER_MEMORY = "2g"
 # The embedded JVM runs every task itself: the throughput collector, not G1 (whose concurrent marking and refinement
-# threads and write barriers cost ~15% of a batch run's CPU here; bench/pipeline_throughput.py --profile, issue 19).
+# threads and write barriers cost ~15% of a batch run's CPU here; bench/pipeline_throughput.py --profile).
 LOCAL_DRIVER_JAVA_OPTIONS = "-XX:+UseParallelGC"
 
 

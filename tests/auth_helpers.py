@@ -1,4 +1,5 @@
-"""Helpers of the issue 15 auth tests: a real Debian ``mosquitto`` with a given password/ACL file on 127.0.0.1."""
+"""Helpers of the authentication and ACL tests: a real Debian ``mosquitto`` with a given password/ACL file on
+127.0.0.1."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A well-behaved pair of clients that must lose nothing while a hostile or careless client misbehaves beside them.
 
-Every isolation test (issue 13, "Isolation and bounds by default") runs one :class:`QoS1Pair` next to the client
+Every isolation test ("Isolation and bounds by default") runs one :class:`QoS1Pair` next to the client
 under test: a real paho-mqtt publisher sends numbered QoS 1 messages while a real paho-mqtt subscriber with a
 persistent session (Clean Session 0) receives them; :meth:`QoS1Pair.finish` checks that every message the broker
 acknowledged (PUBACK) reached the subscriber.

@@ -1,4 +1,4 @@
-"""Foreign-architecture Debian roots for the cross-architecture provisioning test (tests/test_cross_arch.py, issue 16).
+"""Foreign-architecture Debian roots for the cross-architecture provisioning test (tests/test_cross_arch.py).
 
 - ``binfmt_registered(["aarch64", "arm"])``: qemu-user's interpreters registered with binfmt_misc for the duration
   of a ``with`` block, under names of our own (``edge-gateway-test-<cpu>-<pid>``), with Debian's magic and mask

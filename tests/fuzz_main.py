@@ -1,5 +1,5 @@
 """``make fuzz``: the in-process fuzz target (tests/fuzzing.py) under atheris (libFuzzer's coverage-guided
-mutation of the input bytes; issue 15). Runs at least ``-runs`` inputs (default 1,000,000) and stops at the first
+mutation of the input bytes). Runs at least ``-runs`` inputs (default 1,000,000) and stops at the first
 input that breaks an invariant or lets an exception escape the broker, saving it as ``crash-<sha1>`` under
 ``-artifact_prefix`` (default ``./var/fuzz/``). Reproduce one with ``.venv/bin/python tests/fuzz_main.py FILE``.
 

@@ -1,5 +1,5 @@
-"""The fuzz target over the codec and the broker's packet handling, in process (sans-I/O; issue 15, "Hostile
-clients and fuzzing").
+"""The fuzz target over the codec and the broker's packet handling, in process (sans-I/O): hostile clients must
+not crash or wedge the broker (docs/reliability.md).
 
 :func:`run_input` turns one input (bytes from a fuzzing engine: atheris/libFuzzer in ``make fuzz``, hypothesis in
 tests/test_fuzz.py) into a bounded script against a fresh :class:`~gateway.broker.broker.Broker` with tight limits:
@@ -46,11 +46,13 @@ import struct
 from typing import Any
 
 from gateway.broker.broker import Broker
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.routing import SubscriptionRecord, retained_size
-from gateway.broker.session import CLOSED, CONNECTED, Connection, Session
-from gateway.broker.store import MemoryStore, SessionStore
+from gateway.broker.retained_store import retained_size
+from gateway.broker.session_state import Connection, Session
+from gateway.broker.store_port import MemoryStore, SessionStore
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.errors import MQTTError
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (

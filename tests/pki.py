@@ -1,4 +1,4 @@
-"""Certificates for the TLS tests (issue 15), made with ``cryptography``: a test CA, a server certificate for
+"""Certificates for the TLS tests, made with ``cryptography``: a test CA, a server certificate for
 ``localhost``/127.0.0.1, client certificates (good, expired, signed by another CA) and an encrypted server key.
 
 Used by tests/test_auth_tls.py (the SSLContext over loopback sockets) and tests/test_tls_listener.py (a real broker's

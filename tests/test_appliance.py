@@ -1,4 +1,4 @@
-"""The appliance (issue 7): systemd units, Ansible provisioning and the bootable gateway image.
+"""The appliance: systemd units, Ansible provisioning and the bootable gateway image.
 
 - Units: ``systemd-analyze verify`` prints nothing for either unit (it exits 0 on unknown directives, so any output
   fails), ``systemd-analyze security --offline=yes`` stays under an exposure threshold, and the directives the issue
@@ -474,7 +474,7 @@ def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
     assert (gw_toml["upstream"][0]["username"], gw_toml["upstream"][0]["password"]) == ("gw-harbour-01", "s3cret")
     assert gw_toml["upstream"][0]["subscribe"] == [{"remote": "cmd/{gateway_id}/#", "local": "{topic}", "qos": 1}]
     assert tomllib.loads((out / "pier-01" / "gateway.toml").read_text())["store"]["max_size"] == "4GB"
-    # issue 15: TLS on 8883 with client certificates, a password file and an ACL file; plaintext on loopback only
+    # TLS on 8883 with client certificates, a password file and an ACL file; plaintext on loopback only
     etc = out / "harbour-01"
     assert gw_toml["listeners"] == {
         "external": {

@@ -1,4 +1,4 @@
-"""gateway.auth.acl (issue 15): Mosquitto's acl_file, checked against a transliteration of Mosquitto 2.0's
+"""gateway.auth.acl: Mosquitto's acl_file, checked against a transliteration of Mosquitto 2.0's
 ``mosquitto_acl_check_default`` (hypothesis), brute force over a topic universe for the filter relations and the
 SUBSCRIBE decision, and a real ``mosquitto`` with the same acl_file for which messages get through."""
 

@@ -1,4 +1,4 @@
-"""gateway.auth.passwd and gateway.auth.throttle (issue 15): Mosquitto's password file format, checked both ways
+"""gateway.auth.passwd and gateway.auth.throttle: Mosquitto's password file format, checked both ways
 against Debian's ``mosquitto_passwd`` and a real ``mosquitto`` broker, and the CONNECT failure throttle."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""gateway.auth.tls (issue 15): the listener's SSLContext, checked with real TLS handshakes over loopback sockets
+"""gateway.auth.tls: the listener's SSLContext, checked with real TLS handshakes over loopback sockets
 with certificates made here by ``cryptography``: with and without a client certificate, an expired or untrusted
 one refused, a plaintext client refused, the minimum version and the cipher list applied, the CN extracted.
 The certificates come from tests/pki.py."""

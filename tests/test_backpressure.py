@@ -1,7 +1,7 @@
 """A subscriber that stops reading cannot grow the broker without bound: once its socket write buffer holds
 ``high_watermark`` bytes, QoS 0 messages to it are dropped and counted, and QoS 1/2 messages wait in its Message
 Queue, which is bounded by ``max_mqueue_len`` and ``max_mqueue_bytes`` and drops the oldest QoS 0 first
-(seeds 000-002, issue 13)."""
+(seeds 000-002)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""firmware-bridge Prometheus metrics (issue 18): ``[metrics] bind`` in bridge.toml serves ``/metrics``. A simulated
+"""firmware-bridge Prometheus metrics: ``[metrics] bind`` in bridge.toml serves ``/metrics``. A simulated
 board on a real pseudo-terminal, the bridge as a real subprocess, the real broker; scraped over HTTP on 127.0.0.1
 and parsed with prometheus-client's parser."""
 

@@ -1,4 +1,4 @@
-"""firmware-bridge, Modbus RTU ports (issue 17).
+"""firmware-bridge, Modbus RTU ports.
 
 The decoding, request planning and config checks first (no I/O); then end to end: pymodbus's serial server with
 several unit ids on one end of a real pseudo-terminal pair (firmware_bridge.modbus_sim.ModbusLine), the bridge as a

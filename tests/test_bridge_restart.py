@@ -1,4 +1,4 @@
-"""firmware-bridge while the broker restarts (issue 5): no QoS 1 reading lost across a SIGTERM or a SIGKILL of the
+"""firmware-bridge while the broker restarts: no QoS 1 reading lost across a SIGTERM or a SIGKILL of the
 real broker (restarted on the same port and store), replay in order, and a bounded buffer that drops QoS 0 first.
 
 Readings are counted end to end by seq: the board's pty -> the bridge (a real subprocess) -> the broker (a real

@@ -1,5 +1,5 @@
 """firmware-bridge end to end: simulated boards on real pseudo-terminals -> the bridge (a real subprocess) -> the
-real broker -> real MQTT subscribers; commands back the other way (issue 5, "Done when").
+real broker -> real MQTT subscribers; commands back the other way ("Done when").
 
 One bridge serves the module, one board per test (each on its own pty, opened through a symlink as
 ``/dev/serial/by-id`` would be), so tests do not share sequence state.
@@ -439,7 +439,7 @@ def test_sd_notify_ready_only_once_connected_and_sigterm_exits_cleanly(
     make_broker: Callable[[str], BrokerProcess], tmp_path: Path
 ) -> None:
     """Issue 5: sd_notify READY=1 once the broker connection is up (not before: the bridge starts while the
-    broker is down), WATCHDOG=1 every half WATCHDOG_USEC while running (issue 7: the unit's WatchdogSec=),
+    broker is down), WATCHDOG=1 every half WATCHDOG_USEC while running (the unit's WatchdogSec=),
     STOPPING=1 and exit code 0 on SIGTERM."""
     sockdir = tempfile.mkdtemp(prefix="fwb-", dir="/tmp")
     notify_path = os.path.join(sockdir, "notify")

@@ -1,4 +1,4 @@
-"""Authentication, topic ACLs and session ownership against the real broker process (issue 15), with real clients:
+"""Authentication, topic ACLs and session ownership against the real broker process, with real clients:
 paho-mqtt, ``mosquitto_pub``/``mosquitto_sub -u -P``, a password file made by Debian's ``mosquitto_passwd``, and a
 raw-socket client for exact CONNACK/PUBACK/SUBACK codes. Each hostile case runs beside a
 :class:`bystanders.QoS1Pair` (on the broker's anonymous loopback listener) that must lose nothing.
@@ -303,9 +303,10 @@ def test_mqtt_3_1_2_will_on_a_topic_without_write_is_refused_at_connect(broker: 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_mqtt_3_1_4_2_takeover_by_another_user_or_anonymous_is_refused(broker: BrokerProcess, version: int) -> None:
-    """MQTT-3.1.4-2 allows take-over [MQTT-3.1.4-3]; issue 15 restricts it: only the same user may take over an
-    authenticated user's Client Identifier. bob (and an anonymous client on the other listener) get CONNACK 0x87
-    (3.1.1: 5) and alice's connection stays; alice herself takes over (5.0: the old one gets DISCONNECT 0x8E)."""
+    """MQTT-3.1.4-2 allows take-over [MQTT-3.1.4-3]; this broker restricts it (README.md, Security): only the same
+    user may take over an authenticated user's Client Identifier. bob (and an anonymous client on the other
+    listener) get CONNACK 0x87 (3.1.1: 5) and alice's connection stays; alice herself takes over (5.0: the old one
+    gets DISCONNECT 0x8E)."""
     pair = _bystanders(broker, f"takeover-v{version}")
     alice, ack = _client(broker, version, "alice", "device-1")
     assert ack.reason_code == 0

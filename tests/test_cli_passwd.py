@@ -1,4 +1,4 @@
-"""``edge-gateway passwd`` (issue 15), run as a real process: -c, -b, --password-stdin, the interactive prompt on a
+"""``edge-gateway passwd``, run as a real process: -c, -b, --password-stdin, the interactive prompt on a
 pseudo-terminal, -D, errors and exit codes; the file it writes is what Mosquitto and mosquitto_passwd read."""
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from gateway.broker.broker import Broker
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session import CLOSED, CONNECTED, NO_ENTRIES, NO_QUEUE
-from gateway.broker.store import ChangeLog, MemoryStore, StoreChange
+from gateway.broker.session_state import NO_ENTRIES, NO_QUEUE
+from gateway.broker.store_port import ChangeLog, MemoryStore, StoreChange
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import (
     Connack,
@@ -311,8 +312,8 @@ def test_seed003_qos2_duplicate_publish_before_pubrel_delivered_once() -> None:
 
 def test_seed000_a_session_that_never_subscribed_holds_no_queue_window_or_subscriptions_of_its_own() -> None:
     """A client that only publishes (most sensors) shares empty read-only stand-ins for the subscriptions, the
-    Inflight Window, the Message Queue and the QoS 2 identifiers awaiting PUBREL (an idle connection stays small,
-    issue 20); its QoS 1/2 flows, an UNSUBSCRIBE of nothing and a resumed persistent session work as ever, and its
+    Inflight Window, the Message Queue and the QoS 2 identifiers awaiting PUBREL (an idle connection stays
+    small); its QoS 1/2 flows, an UNSUBSCRIBE of nothing and a resumed persistent session work as ever, and its
     first SUBSCRIBE gives it its own."""
     broker = make_broker()
     pub = Client(broker, 5)
@@ -346,7 +347,7 @@ def test_seed000_a_session_that_never_subscribed_holds_no_queue_window_or_subscr
 def test_an_idle_connection_costs_the_core_under_1_kib() -> None:
     """The core's objects for one idle connection (Connection, Session, its entries in the broker's tables and
     the Deadline Index, the Client Identifier), counted by tracemalloc over 3,000 connections: < 1,024 bytes
-    (issue 20; 1,415 bytes before the shared stand-ins of a session that never subscribed, and the dicts instead
+    (1,415 bytes before the shared stand-ins of a session that never subscribed, and the dicts instead
     of sets for the connections and the Deadline Index's seconds)."""
     import gc
     import tracemalloc

@@ -1,4 +1,4 @@
-"""Provisioning across architectures (issue 16): an arm64 and an armhf Debian bookworm root, each built by mmdebstrap
+"""Provisioning across architectures: an arm64 and an armhf Debian bookworm root, each built by mmdebstrap
 ``--arch`` from the host's apt mirror and run under qemu-user (binfmt_misc entries registered for this test and
 removed after it: tests/cross_arch.py), provisioned by ``ansible/site.yml`` from this amd64 controller through the
 chroot connection, twice (the second run changes nothing). Inside each, under qemu-user: the venv's Python is the

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_core import Client, make_broker
 
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import ZoneLimits
-from gateway.broker.session import CLOSED, CONNECTED
 from gateway.mqtt.packets import Connect, Disconnect, PubAck, Publish, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import ReasonCode as RC

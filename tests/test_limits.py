@@ -13,9 +13,9 @@ import pytest
 from test_core import Client
 
 from gateway.broker.broker import Broker
+from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.session import CLOSED, CONNECTED
-from gateway.broker.store import MemoryStore
+from gateway.broker.store_port import MemoryStore
 from gateway.mqtt.packets import (
     PingReq,
     PingResp,

@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 18): ``[metrics] bind`` serves ``/metrics`` (prometheus-client); the values are the
+"""Prometheus metrics: ``[metrics] bind`` serves ``/metrics`` (prometheus-client); the values are the
 broker's own counters read at scrape time. Real broker processes, real paho clients, a real HTTP scrape over
 127.0.0.1 parsed with prometheus-client's parser; every expected value follows from the traffic the test made."""
 

@@ -1,4 +1,4 @@
-"""The whole pipeline on a real Spark standalone cluster (issue 19 part 3): a master and two workers started from
+"""The whole pipeline on a real Spark standalone cluster: a master and two workers started from
 the installed pyspark's own launcher (``bin/spark-class``), on 127.0.0.1, each in its own temporary work directory;
 ``spark-submit --master spark://127.0.0.1:PORT pipeline/submit.py run all`` on the test landing area; every table
 equal to the ``local[*]`` run's. The processes are stopped by PID.

@@ -1,5 +1,5 @@
 """The fleet pipeline's Spark jobs on a landing area with known duplicates, reorderings, gaps, reboots, clock
-errors and malformed lines (issue 8; the envelope of docs/message-format.md): exact tables, idempotent rebuilds,
+errors and malformed lines (the envelope of docs/message-format.md): exact tables, idempotent rebuilds,
 late data folded in, the streaming mode's watermark, the report, and spark-submit settings winning."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fleet pipeline's lander against a real Mosquitto on 127.0.0.1 (issue 8): raw messages landed as JSON lines
+"""The fleet pipeline's lander against a real Mosquitto on 127.0.0.1: raw messages landed as JSON lines
 partitioned by date and gateway, acknowledged only after fsync + rename (manual acks), nothing lost when the
 lander is SIGKILLed mid-stream; then the cloud side end to end (Mosquitto -> lander -> Spark)."""
 
@@ -214,7 +214,7 @@ def test_lander_reconnects_and_resubscribes_after_a_broker_restart(tmp_path: Pat
 
 def check_cloud_side(spark: Any, landing: Path, tables: Path, day: dt.date, devices: dict[tuple[str, str], int | range],
                      expected_duplicates: int | None, last: dt.date | None = None) -> dict[str, int]:  # fmt: skip
-    """What issue 8's end-to-end test asserts once data has landed: `run all` for ``day`` (to ``last``, for a run
+    """What the pipeline's end-to-end test asserts once data has landed: `run all` for ``day`` (to ``last``, for a run
     that crossed midnight UTC); no reading of ``devices`` ((gateway, device) -> readings sent, seq 0..n-1 in one
     boot, or the range of seqs sent when the first ones never reached the gateway) is missing, the completeness
     table shows no gap, and the dedup count equals ``expected_duplicates`` (the duplicates the bridge reported

@@ -1,4 +1,4 @@
-"""Rebuilding a date range gives the rows a full run gives, for every table, whatever the silences (issue 19 part 1):
+"""Rebuilding a date range gives the rows a full run gives, for every table, whatever the silences:
 a device silent for 3 days (and one that reboots while silent) rebuilt day by day, and random silences, reboots,
 duplicates and late arrivals checked against the full run and, for completeness, against a model in plain Python."""
 

@@ -1,4 +1,4 @@
-"""The fleet health report read by an operator (issue 19 part 2): what is missing now and since when, outages per
+"""The fleet health report read by an operator: what is missing now and since when, outages per
 gateway, how late data arrives (p50/p99/max), one device's readings with gaps left blank; one self-contained HTML
 file, rendered in headless Chromium (Debian ``chromium``; ``make deps`` installs it) and saved as a screenshot under
 build/screenshots/."""

@@ -1,4 +1,4 @@
-"""Smoke test of the soak harness (bench/soak.py, `make soak`, issue 13): a 30-second run with one kill -9.
+"""Smoke test of the soak harness (bench/soak.py, `make soak`): a 30-second run with one kill -9.
 
 It checks the harness, not the broker's memory (the RSS bound is lifted here; the soak itself enforces it): the
 broker is killed once and restarted, both normal pairs (3.1.1 and 5.0) get messages acknowledged and every

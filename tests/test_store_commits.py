@@ -20,7 +20,7 @@ import pytest
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
 
 

@@ -1,4 +1,4 @@
-"""A full disk or store (issue 13 item 4, DESIGN.md §4): a QoS 1/2 PUBLISH that cannot be made durable is refused at
+"""A full disk or store (DESIGN.md §4): a QoS 1/2 PUBLISH that cannot be made durable is refused at
 once (MQTT 5: PUBACK/PUBREC 0x97 Quota exceeded; 3.1.1: disconnected) instead of never being acknowledged; the broker
 keeps serving QoS 0 and deliveries, loses nothing it acknowledged, and takes QoS 1/2 again by itself once there is
 room.
@@ -30,7 +30,7 @@ from helpers import RawClient, wait_until
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, PubRec, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store.lmdb_store import LmdbStore, StoreSettings

@@ -1,4 +1,4 @@
-"""Long names in the LMDB store (issue 13 item 1): no Client Identifier, Topic Filter or topic can make a commit fail.
+"""Long names in the LMDB store: no Client Identifier, Topic Filter or topic can make a commit fail.
 
 LMDB refuses keys longer than 511 bytes (MDB_BAD_VALSIZE), and one refused key used to fail the whole group commit:
 every other client's changes in it were dropped and the store reported itself full. Names longer than 160 bytes are
@@ -26,8 +26,8 @@ from helpers import BrokerProcess, RawClient
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.packets import Disconnect, Packet, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec

@@ -1,5 +1,5 @@
-"""A store is moved aside only when its data is damaged, never because of a bug in the code that reads it (issue 13:
-`make soak` once ran a half-edited broker whose store loader raised AttributeError; the store was quarantined and
+"""A store is moved aside only when its data is damaged, never because of a bug in the code that reads it (`make
+soak` once ran a half-edited broker whose store loader raised AttributeError; the store was quarantined and
 11,401 acknowledged messages were lost)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import Session
+from gateway.broker.session_state import Session
 from gateway.store.lmdb_store import LmdbStore, StoreError, StoreSettings
 
 

@@ -32,7 +32,7 @@ from test_mqueue import Model
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec

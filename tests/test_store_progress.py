@@ -1,4 +1,4 @@
-"""Long store work shows progress (issue 18), on a store of 6,000 sessions with 4 queued messages each built by the
+"""Long store work shows progress, on a store of 6,000 sessions with 4 queued messages each built by the
 test through the real LmdbStore (about 32,000 rows).
 
 - ``edge-gateway store inspect`` and ``store compact`` under a pseudo-terminal (the ``pty`` module) draw a tqdm
@@ -29,7 +29,7 @@ from test_systemd_notify import NotifySocket
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.server.load_progress import LoadReporter, progress_interval
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
 from gateway.store.loading import LoadProgress

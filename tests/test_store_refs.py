@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
-from gateway.broker.session import NEVER, Session
+from gateway.broker.session_state import NEVER, Session
 from gateway.store import records as rec
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
 

@@ -1,4 +1,4 @@
-"""The broker's side of systemd's notification protocol (DESIGN.md §6, issue 7), against a fake ``NOTIFY_SOCKET``.
+"""The broker's side of systemd's notification protocol (DESIGN.md §6), against a fake ``NOTIFY_SOCKET``.
 
 Each test binds a unix datagram socket in a temporary directory, starts the real broker subprocess with
 ``NOTIFY_SOCKET`` pointing at it (and ``WATCHDOG_USEC`` as systemd would set it from ``WatchdogSec=``), and reads the
@@ -136,7 +136,7 @@ def wait_log(proc: BrokerProcess, text: str, timeout: float = 10.0) -> None:
 def test_sd_notify_ready_status_watchdog_stopping_sequence(
     notify_socket: NotifySocket, notified_broker: Callable[..., BrokerProcess], uid: str
 ) -> None:
-    """DESIGN.md §6 / issue 7: READY=1 first, once the listener is bound and the store open; then STATUS= (clients,
+    """DESIGN.md §6: READY=1 first, once the listener is bound and the store open; then STATUS= (clients,
     queued, store use) refreshed as it changes and WATCHDOG=1 every half WATCHDOG_USEC; on SIGTERM STOPPING=1, no
     ping after it, then the store is closed and the exit code is 0."""
     proc = notified_broker()
@@ -183,7 +183,7 @@ def test_sd_notify_ready_status_watchdog_stopping_sequence(
 def test_sd_notify_watchdog_pings_stop_while_event_loop_hangs(
     notify_socket: NotifySocket, notified_broker: Callable[..., BrokerProcess]
 ) -> None:
-    """DESIGN.md §6 / issue 7: WATCHDOG=1 only while the event loop turns. SIGUSR2 with
+    """DESIGN.md §6: WATCHDOG=1 only while the event loop turns. SIGUSR2 with
     EDGE_GATEWAY_DEBUG_HANG=loop:2 blocks the loop for 2 s: no ping in that time (systemd would kill the service),
     and pings resume once the loop turns again."""
     proc = notified_broker(EDGE_GATEWAY_DEBUG_HANG="loop:2")
@@ -201,7 +201,7 @@ def test_sd_notify_watchdog_pings_stop_while_event_loop_hangs(
 def test_sd_notify_watchdog_pings_stop_while_store_writer_is_stuck(
     notify_socket: NotifySocket, notified_broker: Callable[..., BrokerProcess], uid: str
 ) -> None:
-    """DESIGN.md §4 and §6 / issue 7: WATCHDOG=1 only while the store writer commits. SIGUSR2 with
+    """DESIGN.md §4 and §6: WATCHDOG=1 only while the store writer commits. SIGUSR2 with
     EDGE_GATEWAY_DEBUG_HANG=store:2.5 holds the LMDB write lock: a QoS 1 retained PUBLISH is not acknowledged, STATUS
     says the writer is stalled and the pings stop; when the lock is released the PUBACK arrives and pings resume."""
     proc = notified_broker(EDGE_GATEWAY_DEBUG_HANG="store:2.5")

@@ -1,4 +1,4 @@
-"""TLS listeners (issue 15, "TLS"): a real broker process with a server-only TLS listener, a ``require_certificate``
+"""TLS listeners ("TLS"): a real broker process with a server-only TLS listener, a ``require_certificate``
 listener and a plaintext loopback listener, certificates made by tests/pki.py.
 
 - paho-mqtt (``tls_set``) and ``mosquitto_pub``/``mosquitto_sub`` (``--cafile``, ``--cert``/``--key``) exchange QoS 1
@@ -42,7 +42,7 @@ from pki import Issued, issue, make_pki
 from gateway.auth.tls import TlsSettings, build_server_context
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
-from gateway.broker.store import MemoryStore
+from gateway.broker.store_port import MemoryStore
 from gateway.server.protocol import BrokerIO
 from gateway.server.tls_accept import TlsListener
 

@@ -346,7 +346,7 @@ def test_mqtt_4_7_retained_matching_agrees_with_topic_matches(
     """RetainedMessages.matching (fast paths for '#' and 'a/b/#', a cached topic order) gives exactly the retained
     messages topic_matches accepts, in topic order, also after topics are added, replaced and cleared."""
     from gateway.broker.message import Message
-    from gateway.broker.routing import RetainedMessages
+    from gateway.broker.retained_store import RetainedMessages
 
     if topic_filter_error(topic_filter) is not None:
         return

@@ -1,5 +1,5 @@
-"""Upstream outbox bounds (issue 6 "Done when": "Outbox bounds and TTL drop exactly what the policy says and count it;
-the local broker keeps serving throughout"; DESIGN.md §5 "Bounded by count, bytes and age; every drop counted by
+"""Upstream outbox bounds: bounds and TTL drop exactly what the policy says and count it, and the local broker
+keeps serving throughout (docs/upstream.md; DESIGN.md §5 "Bounded by count, bytes and age; every drop counted by
 reason"). One gateway, three links to a stand-in cloud that is down at first, each with one bound."""
 
 from __future__ import annotations

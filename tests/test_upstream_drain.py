@@ -1,4 +1,4 @@
-"""Backlog drain after an outage (issue 6: "Backlog drain is paced (drain_rate messages/s and bytes/s) and shares
+"""Backlog drain after an outage ("Backlog drain is paced (drain_rate messages/s and bytes/s) and shares
 the link with live traffic, so fresh readings are not stuck behind hours of backlog; the order (backlog_first or
 live_first) is configurable and documented", docs/upstream.md "Order and pacing"). The cloud is a fake broker that
 refuses connections (down), then accepts and acknowledges, recording when each PUBLISH arrived."""

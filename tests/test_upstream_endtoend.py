@@ -1,4 +1,4 @@
-"""The main job end to end (issue 6): a simulated buoy on a pseudo-terminal -> firmware-bridge -> the gateway ->
+"""The main job end to end: a simulated buoy on a pseudo-terminal -> firmware-bridge -> the gateway ->
 the upstream link -> a real Mosquitto standing in for the cloud; and a command from the cloud -> the gateway ->
 firmware-bridge -> the board, whose reply goes back up. All real subprocesses on 127.0.0.1."""
 
@@ -32,8 +32,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def test_readings_reach_the_cloud_and_cloud_commands_reach_the_board(make_broker, tmp_path: Path, uid: str) -> None:
     """docs/message-format.md: readings on sensors/<gateway_id>/<device> arrive in the cloud byte for byte with a
-    msg_id; issue 6 "Downlink commands from the cloud reach the local topic (and, through firmware-bridge, the
-    simulated board)": a ping from the cloud is answered by the board and the reply comes back to the cloud."""
+    msg_id; downlink commands from the cloud reach the local topic (and, through firmware-bridge, the simulated
+    board, docs/upstream.md): a ping from the cloud is answered by the board and the reply comes back to the cloud."""
     cloud = Mosquitto().start()
     procs: list[subprocess.Popen[bytes]] = []
     sub: CloudSubscriber | None = None

@@ -1,4 +1,4 @@
-"""Upstream bridge, steady state (issue 6, DESIGN.md §5, docs/upstream.md): forwarding to a real Mosquitto standing
+"""Upstream bridge, steady state (DESIGN.md §5, docs/upstream.md): forwarding to a real Mosquitto standing
 in for the cloud, exactly once and in order; the msg_id User Property (docs/message-format.md); MQTT 3.1.1
 upstreams; the downlink; loop prevention; link state on $SYS; the [[upstream]] config checks."""
 

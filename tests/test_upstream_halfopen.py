@@ -1,5 +1,5 @@
-"""A "half-open" upstream (issue 6 "Done when": "accepts the connection, never acks; simulate with a small fake
-server) is detected and the link rebuilt"), and the inflight window honouring the cloud broker's Receive Maximum
+"""A "half-open" upstream (one that accepts the connection and never acknowledges, simulated with a small fake
+server) is detected and the link rebuilt, and the inflight window honouring the cloud broker's Receive Maximum
 (MQTT 5.0 §3.3.4: the Client "MUST NOT send more than Receive Maximum QoS 1 and QoS 2 PUBLISH packets for which it
 has not received PUBACK, PUBCOMP, or PUBREC" [MQTT-3.3.4-7]; §4.9: at send quota zero no more QoS > 0 PUBLISH
 [MQTT-4.9.0-2])."""

@@ -1,4 +1,4 @@
-"""Upstream bridge outages (issue 6 "Done when", DESIGN.md §4-5): the stand-in cloud (a real Mosquitto) is stopped
+"""Upstream bridge outages (DESIGN.md §4-5, docs/upstream.md): the stand-in cloud (a real Mosquitto) is stopped
 and restarted while local publishers keep going, with and without a gateway SIGKILL during the outage. Every
 acknowledged QoS 1/2 message arrives after recovery, in order per topic; duplicates carry the same msg_id; QoS 0
 is dropped while the link is down (store_qos0 = false) and counted; the counters match."""

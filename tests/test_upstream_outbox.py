@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT
 
 from gateway.broker.message import Message
-from gateway.broker.store import OutboxRecord
+from gateway.broker.store_port import OutboxRecord
 from gateway.upstream.config import ForwardRule, UpstreamConfig
 from gateway.upstream.outbox import Outbox, PeerLimits, Send
 

@@ -1,4 +1,4 @@
-"""MQTT over WebSockets (issue 18): a real broker process with a ``protocol = "websockets"`` listener (``ws``), a
+"""MQTT over WebSockets: a real broker process with a ``protocol = "websockets"`` listener (``ws``), a
 ``wss`` one (TLS keys, certificates from tests/pki.py) and a plain TCP listener (``tcp``), LMDB store.
 
 - paho-mqtt with ``transport="websockets"``: QoS 1 both ways (MQTT 3.1.1 and 5.0), mixed with TCP clients; a

@@ -1,4 +1,4 @@
-"""MQTT over WebSockets from a real browser (issue 18): headless Chromium (Debian's ``chromium``) loads a small static
+"""MQTT over WebSockets from a real browser: headless Chromium (Debian's ``chromium``) loads a small static
 page served on 127.0.0.1 that connects to the broker's ``protocol = "websockets"`` listener with mqtt.js (installed
 from npm by this test into its temp dir, never into the repository; its browser bundle ``dist/mqtt.min.js``) and
 exchanges QoS 1 messages with a Python client (paho-mqtt over TCP):

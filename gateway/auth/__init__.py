@@ -1,4 +1,4 @@
-"""Authentication and authorisation building blocks (issue 15), pure logic with no I/O but reading the files named.
+"""Authentication and authorisation building blocks, pure logic with no I/O but reading the files named.
 
 - :mod:`gateway.auth.passwd`: Mosquitto's ``password_file`` (``mosquitto_passwd(1)``), read, verified and written.
 - :mod:`gateway.auth.throttle`: how long to delay a CONNECT from an address after failed attempts.

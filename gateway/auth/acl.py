@@ -1,4 +1,4 @@
-"""Mosquitto's ``acl_file``: who may publish to, receive from and subscribe to which topics (issue 15).
+"""Mosquitto's ``acl_file``: who may publish to, receive from and subscribe to which topics.
 
 The file format is Mosquitto 2.0's (``mosquitto.conf(5)``, ``acl_file``; parser ``aclfile__parse`` in its
 ``src/security_default.c``)::

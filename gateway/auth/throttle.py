@@ -1,4 +1,4 @@
-"""Slowing down repeated authentication failures from one address (issue 15), sans-I/O: ``now`` is passed in.
+"""Slowing down repeated authentication failures from one address, sans-I/O: ``now`` is passed in.
 
 The broker asks :meth:`FailureThrottle.delay` when a CONNECT arrives and waits that long before checking it (or
 answering it), reports each refused CONNECT with :meth:`FailureThrottle.failure` and each accepted one with

@@ -1,4 +1,4 @@
-"""The TLS side of a listener (issue 15): an :class:`ssl.SSLContext` from Mosquitto's listener keys, and the client
+"""The TLS side of a listener: an :class:`ssl.SSLContext` from Mosquitto's listener keys, and the client
 certificate's Common Name for ``use_identity_as_username``.
 
 The keys and their meaning follow ``mosquitto.conf(5)`` ("Certificate based SSL/TLS Support"):

@@ -12,7 +12,7 @@ Each control packet has one handler, in the module of its concept (docs/architec
 :mod:`~gateway.broker.connect`, PUBLISH in :mod:`~gateway.broker.inbound` (and :mod:`~gateway.broker.qos2`),
 acknowledgements of the Inflight Window in :mod:`~gateway.broker.inflight`, SUBSCRIBE/UNSUBSCRIBE in
 :mod:`~gateway.broker.subscribe`; routing in :mod:`~gateway.broker.router`, delivery and the Message Queue in
-:mod:`~gateway.broker.delivery`, sessions and Wills in :mod:`~gateway.broker.sessions`, deadlines in
+:mod:`~gateway.broker.delivery`, sessions and Wills in :mod:`~gateway.broker.session_lifecycle`, deadlines in
 :mod:`~gateway.broker.timers`, what each protocol level may answer in :mod:`~gateway.broker.reasons`.
 
 Sources: MQTT 3.1.1 and 5.0 (OASIS), seeds 000-004 (Inflight Window, Message Queue, QoS flows, offline
@@ -26,7 +26,19 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway import __version__
-from gateway.broker import access, connect, delivery, inbound, inflight, qos2, router, sessions, subscribe, timers
+from gateway.broker import (
+    access_decisions,
+    connect,
+    delivery,
+    inbound,
+    inflight,
+    qos2,
+    router,
+    session_lifecycle,
+    subscribe,
+    timers,
+)
+from gateway.broker.connection_states import AWAITING_CONNECT, CLOSED, CONNECTED, HELD
 from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
@@ -34,9 +46,9 @@ from gateway.broker.message import Message
 from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
-from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, HELD, NEVER, Connection
+from gateway.broker.session_state import NEVER, Connection
 from gateway.broker.state import BrokerState, Stats
-from gateway.broker.store import SessionStore
+from gateway.broker.store_port import SessionStore
 from gateway.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
 from gateway.mqtt.packets import MQTT_5, PACKET_NAMES, Auth, Connect, Disconnect, PingReq, PingResp
 from gateway.mqtt.properties import PropertyId as P
@@ -96,9 +108,9 @@ class Broker(BrokerState):
             self.offline.add(session)
             if session.will is not None and session.will_at is not None:
                 self.wills.add(session)
-        if self.read_checks:  # their ACL rules and subscription decisions (issue 15)
+        if self.read_checks:  # their ACL rules and subscription decisions
             for session in state.sessions:
-                access.restore_rules(self, session)
+                access_decisions.restore_rules(self, session)
         if state.sessions or state.retained:
             log.info(
                 "restored %d persistent sessions and %d retained messages from the store",
@@ -183,12 +195,12 @@ class Broker(BrokerState):
                             conn.peer,
                             PACKET_NAMES[packet.TYPE],
                         )
-                        sessions.close(self, conn, now, publish_will=False)
+                        session_lifecycle.close(self, conn, now, publish_will=False)
                         return
                     if not connect.hold(self, conn, packet, now):
                         connect.on_connect(self, conn, packet, now)
                 elif conn.state == HELD:
-                    conn.held.append(packet)  # handled once the throttled CONNECT is (issue 15)
+                    conn.held.append(packet)  # handled once the throttled CONNECT is
                 else:
                     return
         except inbound.ReadPaused as paused:
@@ -250,8 +262,8 @@ class Broker(BrokerState):
         self.held.discard(conn)
         conn.pending = False
         if conn.state != CLOSED:
-            conn.state = CLOSED
-            sessions.detach(self, conn, now, publish_will=True)
+            conn.move_to(CLOSED)
+            session_lifecycle.detach(self, conn, now, publish_will=True)
 
     def pause_writing(self, conn: Connection, now: float) -> None:
         """The connection's socket write buffer passed ``high_watermark``: QoS 0 messages to it are dropped and
@@ -287,7 +299,7 @@ class Broker(BrokerState):
             packets, conn.held = conn.held, []
             if conn.state != HELD:
                 continue
-            conn.state = AWAITING_CONNECT
+            conn.move_to(AWAITING_CONNECT)
             try:
                 connect.on_connect(self, conn, packets[0], now)
                 for packet in packets[1:]:
@@ -300,11 +312,11 @@ class Broker(BrokerState):
             except MQTTError as exc:
                 self._protocol_error(conn, exc, now)
 
-    def reload_access(self, rules: dict[str, access.ListenerAccess], now: float) -> None:
+    def reload_access(self, rules: dict[str, access_decisions.ListenerAccess], now: float) -> None:
         """New authentication and ACL rules per listener (SIGHUP, after the files parsed): later CONNECTs use
-        them, and every session's ACL and subscription decisions are resolved again (:func:`.access.reload`);
+        them, and every session's ACL and subscription decisions are resolved again (:func:`.access_decisions.reload`);
         no connection is closed."""
-        access.reload(self, rules)
+        access_decisions.reload(self, rules)
         log.info("access rules reloaded for %d listener(s); %d sessions re-checked", len(rules), len(self.sessions))
 
     def shutdown(self, now: float) -> None:
@@ -312,7 +324,7 @@ class Broker(BrokerState):
         for conn in list(self.connections):
             if conn.state == CONNECTED and conn.version == MQTT_5:
                 send(self, conn, Disconnect(RC.SERVER_SHUTTING_DOWN))
-            sessions.close(self, conn, now, publish_will=False)
+            session_lifecycle.close(self, conn, now, publish_will=False)
 
     # ------------------------------------------------------------------------------------------ from the store
 
@@ -334,7 +346,7 @@ class Broker(BrokerState):
             packet = disconnect(conn.version, RC.UNSPECIFIED_ERROR, "the server could not store this client's state")
             if packet is not None:
                 send(self, conn, packet)
-            sessions.close(self, conn, now, publish_will=True)
+            session_lifecycle.close(self, conn, now, publish_will=True)
 
     def queue_rows_lost(self, client_id: str, seqs: list[int]) -> None:
         """The store did not write these queue rows of ``client_id`` (:func:`.delivery.queue_rows_lost`)."""
@@ -364,7 +376,7 @@ class Broker(BrokerState):
             connack = connack_refusal_packet(conn.version, code, str(exc))
             if connack is not None:
                 send(self, conn, connack)
-        sessions.close(self, conn, now, publish_will=True)
+        session_lifecycle.close(self, conn, now, publish_will=True)
 
     def _unsupported_version(self, conn: Connection, exc: UnsupportedProtocolVersion, now: float) -> None:
         if conn.state == CONNECTED:
@@ -377,7 +389,7 @@ class Broker(BrokerState):
         answer = unsupported_version_connack(exc.level)
         if answer is not None:
             send_raw(self, conn, answer[1].encode(answer[0]))
-        sessions.close(self, conn, now, publish_will=False)
+        session_lifecycle.close(self, conn, now, publish_will=False)
 
     # ------------------------------------------------------------------------------------------ messages
 
@@ -461,4 +473,4 @@ def _on_disconnect(core: BrokerState, conn: Connection, p: Disconnect, now: floa
         publish_will = p.reason_code == RC.DISCONNECT_WITH_WILL_MESSAGE
     if not publish_will:
         conn.will = None  # a normal DISCONNECT discards the Will [MQTT-3.1.2-10] [MQTT-3.14.4-3]
-    sessions.close(core, conn, now, publish_will=publish_will)
+    session_lifecycle.close(core, conn, now, publish_will=publish_will)

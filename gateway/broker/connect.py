@@ -9,7 +9,8 @@ import logging
 import secrets
 from typing import Any
 
-from gateway.broker.access import authenticate, client_rules, listener_access, redecide
+from gateway.broker.access_decisions import authenticate, client_rules, listener_access, redecide
+from gateway.broker.connection_states import AWAITING_CONNECT, CONNECTED, HELD
 from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import pump, resend
 from gateway.broker.limits import ZoneLimits, topic_limit_error
@@ -17,8 +18,8 @@ from gateway.broker.message import is_utf8
 from gateway.broker.output import send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect
-from gateway.broker.session import AWAITING_CONNECT, CONNECTED, HELD, NEVER, NO_QUEUE, Connection, Session
-from gateway.broker.sessions import close, end_session, expire_session
+from gateway.broker.session_lifecycle import close, end_session, expire_session
+from gateway.broker.session_state import NEVER, NO_QUEUE, Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import ProtocolError
 from gateway.mqtt.packets import CONNACK, MQTT_3_1, MQTT_5, Connack, Connect
@@ -104,7 +105,7 @@ def _take_over(core: BrokerState, conn: Connection, session: Session, now: float
 
 
 def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
-    """Hold the CONNECT ``p`` when its address is throttled after failed attempts (issue 15): the connection
+    """Hold the CONNECT ``p`` when its address is throttled after failed attempts: the connection
     waits in state :data:`HELD` until ``held_until``, when :meth:`Broker.tick` hands it to :func:`on_connect`
     (with the packets that arrived meanwhile). Held before it is checked, whatever its password, so its answer
     cannot be timed. True when held."""
@@ -115,7 +116,7 @@ def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
     if delay <= 0:
         return False
     core.stats.refused["auth_throttled"] += 1
-    conn.state = HELD
+    conn.move_to(HELD)
     conn.held = [p]
     conn.held_until = now + delay
     core.held.add(conn)
@@ -123,7 +124,7 @@ def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
 
 
 def _authorise(core: BrokerState, conn: Connection, p: Connect, client_id: str, now: float) -> tuple[Any, Any]:
-    """Authenticate the CONNECT and check its Will Topic against the ACL (:mod:`gateway.broker.access`):
+    """Authenticate the CONNECT and check its Will Topic against the ACL (:mod:`gateway.broker.access_decisions`):
     ``(user name, ACL rules)``, or the connection refused (0x86 / 0x87; 3.1.1: 4 / 5) and closed
     [MQTT-3.1.4-2]. A refused authentication counts against the address (the failure throttle)."""
     access = listener_access(core, conn.listener)
@@ -147,6 +148,25 @@ def _authorise(core: BrokerState, conn: Connection, p: Connect, client_id: str, 
 
 
 def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> None:
+    """CONNECT ``p`` on ``conn`` (state ``AWAITING_CONNECT``), at ``now`` (wall-clock seconds): accept it or refuse it.
+    Statements: MQTT 5.0's numbering.
+
+    Output: a CONNACK on ``conn.out`` and ``conn`` in ``core.dirty``. Accepted: ``conn`` is ``CONNECTED`` to its
+    session (new, resumed or taken over), Session Present set accordingly [MQTT-3.2.2-2] [MQTT-3.2.2-3], the
+    negotiated limits on ``conn`` (Receive Maximum caps the Inflight Window, Maximum Packet Size, Topic Alias
+    Maximum, Server Keep Alive), and unacknowledged PUBLISH (DUP=1) and PUBREL re-sent in order [MQTT-4.4.0-1].
+    Refused: a CONNACK with a Reason Code >= 0x80 (3.1.1: return code 1-5) and ``conn`` closed after it
+    [MQTT-3.2.2-5]; no session is touched.
+
+    In order: enhanced authentication (not supported: 0x8C), the Client Identifier (empty with Clean Start 0 in
+    3.1.1 [MQTT-3.1.3-8], too long: ``max_clientid_len``; an empty one is assigned [MQTT-3.1.3-6]), the Will
+    (QoS, topic, ACL), authentication (:func:`~gateway.broker.access_decisions.authenticate`; a throttled address
+    is held first, :func:`hold`), ``max_connections`` and ``max_sessions`` (0x97), session ownership on take-over
+    (0x87). Then the existing session with that Client Identifier: its connection is closed (take-over
+    [MQTT-3.1.4-3]; 5.0: DISCONNECT 0x8E), Clean Start discards it [MQTT-3.1.2-4], an expired one is gone
+    [MQTT-4.1.0-2], a pending delayed Will is cancelled [MQTT-3.1.3-9]. Errors: none raised; a malformed CONNECT
+    was refused by the codec before this.
+    """
     v5 = p.protocol_level == MQTT_5
     conn.version = MQTT_5 if v5 else 4
     limits = conn.limits
@@ -194,7 +214,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         session is None or session.conn is None or session.conn.listener != conn.listener
     ):
         # A take-over on the same listener frees a slot as it takes one; connections awaiting CONNECT are
-        # bounded by connect_timeout instead (issue 15).
+        # bounded by connect_timeout instead.
         core.stats.refused["max_connections"] += 1
         refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_connections = {max_conns} reached on listener "
                f"{conn.listener!r}", now)
@@ -202,7 +222,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     max_sessions = core.settings.max_sessions
     if session is None and granted and max_sessions and core.persistent_count >= max_sessions:
         # A new persistent session past the cap; resuming or taking over an existing one is always allowed,
-        # and nothing of any other client is touched (issue 13).
+        # and nothing of any other client is touched.
         core.stats.refused["max_sessions"] += 1
         refuse(core, conn, RC.QUOTA_EXCEEDED, f"max_sessions = {max_sessions} persistent sessions reached", now)
         return
@@ -213,7 +233,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
         and session.username != user
         and not (session.conn is None and session.expires_at is not None and now >= session.expires_at)
     ):
-        # Only its own user may take over or resume an authenticated user's session (issue 15; stricter than
+        # Only its own user may take over or resume an authenticated user's session (stricter than
         # Mosquitto, which lets any client take over any Client Identifier): 0x87 / 3.1.1 return code 5.
         core.stats.refused["takeover_not_authorized"] += 1
         refuse(core, conn, RC.NOT_AUTHORIZED, "the Client Identifier belongs to another user's session", now)
@@ -329,7 +349,7 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
     conn.session = session
     conn.client_id = session.client_id
     session.conn = conn
-    conn.state = CONNECTED
+    conn.move_to(CONNECTED)
     core.stats.clients_connected += 1
     core.listener_clients[conn.listener] += 1
     core.stats.clients_maximum = max(core.stats.clients_maximum, core.stats.clients_connected)

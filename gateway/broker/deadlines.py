@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from heapq import heappop, heappush
 
-from gateway.broker.session import AWAITING_CONNECT, CONNECTED, Connection
+from gateway.broker.connection_states import AWAITING_CONNECT, CONNECTED
+from gateway.broker.session_state import Connection
 from gateway.mqtt.packets import MQTT_5
 
 

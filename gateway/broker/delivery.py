@@ -2,7 +2,7 @@
 Queue; the queue's drop policy as the broker counts and logs it; offline messages and their expiry.
 
 QoS 0 to an online client bypasses window and queue (seed 001), unless its socket is past ``high_watermark``
-(then it is dropped, issue 13). For an offline persistent session QoS 1/2 (and QoS 0 with
+(then it is dropped). For an offline persistent session QoS 1/2 (and QoS 0 with
 ``mqueue_store_qos0``) wait in the Message Queue until it resumes, at most ``message_expiry_interval`` unless the
 message carries its own Message Expiry Interval (seed 004).
 """
@@ -14,7 +14,7 @@ import logging
 from gateway.broker.inflight import send_new
 from gateway.broker.message import Delivery, Message
 from gateway.broker.output import write_publish
-from gateway.broker.session import Session
+from gateway.broker.session_state import Session
 from gateway.broker.state import BrokerState
 
 log = logging.getLogger("gateway.broker")
@@ -34,7 +34,7 @@ def deliver(
     conn = session.conn
     if conn is not None and qos == 0:
         if conn.paused:
-            # Its socket holds high_watermark bytes already: QoS 0 is at most once (issue 13).
+            # Its socket holds high_watermark bytes already: QoS 0 is at most once.
             core.stats.dropped["high_watermark_qos0"] += 1
         else:
             write_publish(core, conn, message, 0, retain, 0, False, sub_ids, now)
@@ -102,7 +102,7 @@ def _queue_drop(core: BrokerState, session: Session, victim: Delivery, reason: s
 
 def queue_rows_lost(core: BrokerState, client_id: str, seqs: list[int]) -> None:
     """The store did not write these queue rows of ``client_id`` (their commit failed, or left them out;
-    ``seqs`` are store sequence numbers; ``LmdbStore.on_queue_rows_lost``, issue 13 item 5). Their entries
+    ``seqs`` are store sequence numbers; ``LmdbStore.on_queue_rows_lost``). Their entries
     leave the Message Queue, counted as ``store_write_failed`` (``_qos0``) drops: their publishers are not
     acknowledged (DESIGN.md §4), and a queue that kept them would page them out as rows the store lacks."""
     session = core.sessions.get(client_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
 from gateway.broker.output import PUBACK_BYTE, send, send_ack
@@ -14,8 +15,8 @@ from gateway.broker.qos2 import duplicate, received
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
 from gateway.broker.router import publish
-from gateway.broker.session import CONNECTED, Connection, aliases_in_for_write
-from gateway.broker.sessions import close
+from gateway.broker.session_lifecycle import close
+from gateway.broker.session_state import Connection, aliases_in_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import MQTTError, ProtocolError
 from gateway.mqtt.packets import MQTT_5, PubAck, Publish, PubRec
@@ -37,6 +38,22 @@ class ReadPaused(Exception):
 
 
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
+    """PUBLISH ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT 5.0's
+    numbering.
+
+    Checks, in order: the ``max_publish_rate`` token (none left: the PUBLISH waits, ``conn.paused_until``), the
+    Topic Alias (set or resolved, per connection; beyond the maximum [MQTT-3.3.2-9]: Protocol Error), no
+    Subscription Identifier from a client [MQTT-3.3.4-6], the Topic Name [MQTT-3.3.2-1] [MQTT-4.7.3-1] and the
+    Response Topic [MQTT-3.3.2-14], Receive Maximum (one QoS 1/2 PUBLISH too many: DISCONNECT 0x93
+    [MQTT-3.3.4-7]), ``$SYS`` and the write ACL (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` /
+    ``max_topic_length`` (0x90), store room for persistent work (0x97; 3.1.1: no acknowledgement, disconnect).
+
+    Output: the :class:`~gateway.broker.message.Message` routed (:func:`gateway.broker.router.publish`), for QoS 2
+    kept under its Packet Identifier until PUBREL instead (:mod:`gateway.broker.qos2`); PUBACK / PUBREC (5.0:
+    0x10 No matching subscribers when nobody took it) once what the message caused is durable
+    (``store.when_durable``, DESIGN.md §4), or 0x97 / a disconnect when that commit fails. Errors:
+    :class:`~gateway.mqtt.errors.ProtocolError` (the caller closes the connection with its Reason Code).
+    """
     session = conn.session
     assert session is not None
     limits = conn.limits
@@ -90,7 +107,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
         reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
         return
-    acl = session.acl  # None without an acl_file: one comparison, nothing else (issue 15)
+    acl = session.acl  # None without an acl_file: one comparison, nothing else
     if acl is not None and not acl.may_publish(topic):
         # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
         # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
@@ -118,7 +135,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             if qos and v5:
                 reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
                 return
-            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained (issue 15).
+            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained.
             retain = False
             core.stats.refused[limit] += 1
             core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
@@ -241,7 +258,7 @@ def _qos1_committed(
     core: BrokerState, conn: Connection, p: Publish, reason: int, now: float, full: bool | None = None
 ) -> None:
     """The commit a QoS 1 PUBLISH waited for, as ``when_durable``'s callback and its ``on_failure`` both (one
-    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish, issue 20).
+    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish).
 
     Called without ``full``: the work is durable, PUBACK with ``reason`` (DESIGN.md §4); the common one (reason 0,
     MQTT 5.0 §3.4.2.1: then the Reason Code may be left out) as its 4 bytes

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import AWAIT_COMP, Delivery
 from gateway.broker.output import PUBREL_BYTE, send, send_ack, write_publish
 from gateway.broker.reasons import unknown_packet_id
-from gateway.broker.session import CONNECTED, Connection, Session
+from gateway.broker.session_state import Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import PACKET_NAMES, PUBACK, PubAck, PubComp, PubRec, PubRel
 
@@ -231,6 +232,8 @@ def on_pubcomps(core: BrokerState, conn: Connection, pids: list[int], now: float
 
 
 def on_pubrec(core: BrokerState, conn: Connection, p: PubRec, now: float) -> None:
+    """PUBREC ``p`` for a QoS 2 message this broker sent on ``conn``: as :func:`pubrec` (PUBREL once durable
+    [MQTT-4.3.3-4], the flow's end on a refusal >= 0x80, PUBREL 0x92 for an unknown identifier, 5.0)."""
     pubrec(core, conn, p.packet_id, p.reason_code, now)
 
 

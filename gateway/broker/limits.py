@@ -54,7 +54,7 @@ class ZoneLimits:
         max_connections: connected clients on this listener at once (Mosquitto's and EMQX's
             ``max_connections``); one more CONNECT gets CONNACK 0x97 Quota exceeded (3.1.1: 0x03 Server
             unavailable) and is closed; a take-over on the same listener is always allowed; 0 = no limit.
-            Connections still awaiting CONNECT are bounded by ``connect_timeout`` instead (issue 15).
+            Connections still awaiting CONNECT are bounded by ``connect_timeout`` instead.
         max_topic_length: longest Topic Name or Topic Filter, UTF-8 bytes (the protocol allows 65535); refused
             as ``max_topic_levels`` is; 0 = no limit. Every queued message holds its topic, so this bounds a
             Message Queue's topic bytes too.
@@ -137,8 +137,8 @@ class BrokerSettings:
     max_retained_messages: int = 10_000
     max_retained_bytes: int = 64 * 1024 * 1024
     zones: dict[str, ZoneLimits] = field(default_factory=lambda: dict(ZONE_DEFAULTS))
-    #: per listener name: who may connect and what they may do (``gateway.broker.access.ListenerAccess``, built
-    #: by the server layer from ``allow_anonymous``, ``password_file``, ``acl_file``; none: anyone, anything)
+    #: per listener name: who may connect and what they may do (``gateway.broker.access_decisions.ListenerAccess``,
+    #: built by the server layer from ``allow_anonymous``, ``password_file``, ``acl_file``; none: anyone, anything)
     access: dict[str, Any] = field(default_factory=dict)
-    #: back-off after failed CONNECTs per address (``gateway.broker.access.Throttle``), or ``None``
+    #: back-off after failed CONNECTs per address (``gateway.broker.access_decisions.Throttle``), or ``None``
     throttle: Any = None

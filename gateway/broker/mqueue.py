@@ -5,7 +5,7 @@ Messages wait here, FIFO, while the Inflight Window is full or the client is off
 if the queue holds any ("If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first",
 seed 002). Dropping is O(1): QoS 0 entries are also indexed in their own FIFO and removed lazily.
 
-Paging (persistent sessions on a store that offers a :class:`~gateway.broker.pager.QueuePager`): a queue already
+Paging (persistent sessions on a store that offers a :class:`~gateway.broker.queue_pager.QueuePager`): a queue already
 holding ``mem_len`` entries in memory keeps further entries only in the store once their rows are committed, and
 reads them back in batches as it drains. In FIFO order the queue is then three parts::
 
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 from gateway.broker.message import Delivery, Message
 
 if TYPE_CHECKING:
-    from gateway.broker.pager import QueuePager
+    from gateway.broker.queue_pager import QueuePager
 
 log = logging.getLogger("gateway.broker")
 
 #: Entries an offline persistent session keeps in memory at most (the rest wait only in the store): abandoned
-#: sessions must not hold their queues in memory (issue 13: 2,000 offline sessions with 1,000 messages each took
+#: sessions must not hold their queues in memory (2,000 offline sessions with 1,000 messages each took
 #: 515 MiB of anonymous memory when every queue was held whole). A session that comes back gets ``mem_len_online``.
 OFFLINE_MEM_LEN = 16
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.broker.message import Message
-from gateway.broker.session import Connection, aliases_out_for_write
+from gateway.broker.session_state import Connection, aliases_out_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5, encode_publish_parts
 from gateway.mqtt.properties import PropertyId as P

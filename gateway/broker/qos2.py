@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import Message
 from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
 from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.router import publish
-from gateway.broker.session import CONNECTED, Connection, Session, awaiting_rel_for_write
+from gateway.broker.session_state import Connection, Session, awaiting_rel_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import PubComp, PubRel
 
@@ -53,6 +54,9 @@ def pubrec(core: BrokerState, conn: Connection, pid: int) -> None:
 
 
 def on_pubrel(core: BrokerState, conn: Connection, p: PubRel, now: float) -> None:
+    """PUBREL ``p`` from ``conn``'s client for a QoS 2 message it sent: as :func:`pubrel` (the held message routed
+    onward once, the identifier forgotten, PUBCOMP once durable [MQTT-4.3.3-11] [MQTT-4.3.3-12]; an unknown
+    identifier still gets PUBCOMP, 5.0: 0x92)."""
     pubrel(core, conn, p.packet_id, now)
 
 

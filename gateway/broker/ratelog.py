@@ -2,7 +2,7 @@
 suppressed meanwhile. Sans-I/O: the caller passes ``now``.
 
 A client that sends garbage in a loop must not write a log line per connection: on a gateway's SD card with
-journald that is flash wear and a full disk (issue 13). Keys are the client's address (host, without the port,
+journald that is flash wear and a full disk. Keys are the client's address (host, without the port,
 so reconnecting does not reset the limit) and the reason.
 """
 

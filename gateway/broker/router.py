@@ -2,18 +2,18 @@
 subscription (MQTT 5.0 §4.7): one copy per client at the highest QoS of its overlapping subscriptions with all
 their Subscription Identifiers [MQTT-3.3.4-2] [MQTT-3.3.4-3], No Local [MQTT-3.8.3-3], one member per shared
 group, round robin, online members first (MQTT 5.0 §4.8.2). Delivered QoS = min(publish QoS, subscription QoS)
-(seed 003). The subscription tree and the retained store themselves are in :mod:`gateway.broker.routing`.
+(seed 003). The subscription tree and the retained store themselves are in :mod:`gateway.broker.subscription_tree`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.broker.access import may_read
+from gateway.broker.access_decisions import may_read
 from gateway.broker.delivery import deliver
 from gateway.broker.message import NO_IDS, Message
-from gateway.broker.routing import SharedGroup, SubscriptionRecord
 from gateway.broker.state import BrokerState
+from gateway.broker.subscription_tree import SharedGroup, SubscriptionRecord
 
 
 def publish(core: BrokerState, message: Message, now: float) -> int:
@@ -31,7 +31,8 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
             core.stats.dropped["no_subscribers"] += 1  # EMQX's messages.dropped.no_subscribers
         return count
     sessions = core.sessions
-    if core.read_checks:  # an acl_file exists: subscriptions decided PARTIAL check read (gateway/broker/access.py)
+    # An acl_file exists: subscriptions decided PARTIAL check read (gateway/broker/access_decisions.py).
+    if core.read_checks:
         if len(subs) == 1:  # the common case, without a new list: a set look-up when decided ALL
             rec = subs[0]
             session = sessions[rec.client_id]

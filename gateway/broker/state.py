@@ -13,9 +13,10 @@ from gateway.broker.deadlines import DeadlineIndex
 from gateway.broker.limits import BrokerSettings
 from gateway.broker.message import Message
 from gateway.broker.ratelog import RateLimitedLog
-from gateway.broker.routing import RetainedMessages, SubscriptionTree
-from gateway.broker.session import Connection, Session
-from gateway.broker.store import MemoryStore, SessionStore
+from gateway.broker.retained_store import RetainedMessages
+from gateway.broker.session_state import Connection, Session
+from gateway.broker.store_port import MemoryStore, SessionStore
+from gateway.broker.subscription_tree import SubscriptionTree
 
 log = logging.getLogger("gateway.broker")
 
@@ -123,7 +124,7 @@ class BrokerState:
         self.next_sys = now
         self.next_sweep = now
         #: Some listener has an ``acl_file``: routing checks ``read`` for subscriptions decided PARTIAL
-        #: (:mod:`gateway.broker.access`); False costs routing nothing.
+        #: (:mod:`gateway.broker.access_decisions`); False costs routing nothing.
         self.read_checks = any(a.acl is not None for a in self.settings.access.values())
         #: Connections whose CONNECT is held by the failure throttle (``Connection.held_until``).
         self.held: set[Connection] = set()

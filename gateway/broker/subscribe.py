@@ -4,15 +4,16 @@ messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
 
 from __future__ import annotations
 
-from gateway.broker.access import decide, may_read
+from gateway.broker.access_decisions import decide, may_read
+from gateway.broker.connection_states import CONNECTED
 from gateway.broker.delivery import deliver
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.output import send
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import suback_failure
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import CONNECTED, NO_QUEUE, Connection, Session, partial_for_write
+from gateway.broker.session_state import NO_QUEUE, Connection, Session, partial_for_write
 from gateway.broker.state import BrokerState
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.errors import ProtocolError
 from gateway.mqtt.packets import MQTT_5, Suback, Subscribe, Unsuback, Unsubscribe
 from gateway.mqtt.properties import PropertyId as P
@@ -21,6 +22,16 @@ from gateway.mqtt.topics import parse_shared, topic_filter_error
 
 
 def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) -> None:
+    """SUBSCRIBE ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT
+    5.0's numbering.
+
+    Each Topic Filter is checked (syntax, ``max_topic_levels``/``max_topic_length`` 0x8F, ``max_subscriptions``
+    0x97, the read ACL decided once: NONE 0x87, ALL, or PARTIAL checked per message; shared subscriptions with
+    No Local are a Protocol Error [MQTT-3.8.3-4]) and added or replaced [MQTT-3.8.4-3] with the Subscription
+    Identifier of the packet [MQTT-3.8.2.1.2]. Output: a SUBACK with one code per filter in order [MQTT-3.8.4-6]
+    once the subscriptions are durable (persistent session), then the retained messages each new subscription
+    gets under its Retain Handling [MQTT-3.3.1-9] [MQTT-3.3.1-10] [MQTT-3.8.4-4].
+    """
     session = conn.session
     assert session is not None
     # A Subscription Identifier (5.0) applies to every filter of this SUBSCRIBE [MQTT-3.8.2.1.2].
@@ -76,7 +87,7 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
             )
             codes.append(suback_failure(conn.version, RC.QUOTA_EXCEEDED))
             continue
-        # Decided once per subscription (issue 15): NONE refused, ALL never checked again, PARTIAL per message.
+        # Decided once per subscription: NONE refused, ALL never checked again, PARTIAL per message.
         readable = decide(session.acl, inner)
         if readable == "none":
             core.stats.refused["acl_subscribe"] += 1
@@ -112,7 +123,7 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         for record in retained:
             for message in core.retained.matching(record.topic_filter):
                 if message.expired(now) or not may_read(session, record.key, message.topic):
-                    continue  # retained messages obey read too (issue 15)
+                    continue  # retained messages obey read too
                 # A retained message sent because of a new subscription has RETAIN=1 [MQTT-3.3.1-8].
                 ids = [record.sub_id] if record.sub_id is not None else []
                 deliver(core, session, message, min(message.qos, record.qos), True, ids, now)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from gateway.broker.connection_states import AWAITING_CONNECT, CLOSED, CONNECTED
 from gateway.broker.deadlines import next_check
 from gateway.broker.delivery import STALLED_AFTER, sweep_expired
 from gateway.broker.inflight import resend
@@ -15,8 +16,8 @@ from gateway.broker.qos2 import expire_awaiting_rel
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import disconnect
 from gateway.broker.router import sweep_retained
-from gateway.broker.session import AWAITING_CONNECT, CLOSED, CONNECTED, Connection
-from gateway.broker.sessions import close, expire
+from gateway.broker.session_lifecycle import close, expire
+from gateway.broker.session_state import Connection
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5
 from gateway.mqtt.reason_codes import ReasonCode as RC
@@ -63,7 +64,7 @@ def check(core: BrokerState, conn: Connection, now: float) -> None:
         return
     if conn.paused and limits.send_timeout and now - conn.paused_at >= limits.send_timeout:
         # Its socket has not drained for send_timeout: a client that stopped reading. Closed without
-        # writing more (nothing can be written); a persistent session keeps its queue (issue 13).
+        # writing more (nothing can be written); a persistent session keeps its queue.
         core.stats.refused["send_timeout"] += 1
         core.rlog.warning(
             now,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.auth.tls import TLS_VERSIONS, TlsConfigError, TlsSettings, build_server_context
 from gateway.broker.limits import ZONE_DEFAULTS, BrokerSettings, ZoneLimits
-from gateway.server.access import AUTH_KEYS, AuthConfig, load_auth
+from gateway.server.auth_files import AUTH_KEYS, AuthConfig, load_auth
 from gateway.store.lmdb_store import StoreSettings
 from gateway.update.settings import UpdateSettings, load_update
 from gateway.values import ADDRESS_ALLOWED, ValueSpec, check_value, is_unix_path, parse_address
@@ -77,7 +77,7 @@ class ListenerConfig:
         name: the table name under ``[listeners]``.
         bind: ``host:port`` (TCP) or an absolute path (Unix socket).
         tls: the TLS keys when the listener is TLS (``certfile`` and ``keyfile`` given), else ``None``.
-        auth: ``allow_anonymous``, ``password_file``, ``acl_file`` and the files loaded (gateway/server/access.py).
+        auth: ``allow_anonymous``, ``password_file``, ``acl_file`` and the files loaded (gateway/server/auth_files.py).
         protocol: ``"mqtt"`` (MQTT on TCP or TLS) or ``"websockets"`` (MQTT over WebSockets, mosquitto.conf(5)'s
             ``protocol websockets``; TLS keys make it ``wss``): gateway/server/websocket.py.
         path: the HTTP path WebSocket clients upgrade on (``"/mqtt"``); other paths are answered 404.
@@ -172,7 +172,7 @@ _COMMIT_INTERVAL: ValueSpec = ("duration", 0, 1, 'a duration 0..1s such as "2ms"
 _STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit", "mqueue_mem_len"}
 
 
-# allow_anonymous, password_file, acl_file (gateway/server/access.py)
+# allow_anonymous, password_file, acl_file (gateway/server/auth_files.py)
 _LISTENER_KEYS.update(AUTH_KEYS)
 
 

@@ -1,4 +1,4 @@
-"""Progress while the broker reads a large store back at start-up (issue 18): a log line every
+"""Progress while the broker reads a large store back at start-up: a log line every
 :data:`LOG_INTERVAL` seconds and systemd's ``STATUS=loading store: N of M sessions, ...`` until ``READY=1``, so
 ``systemctl status edge-gateway`` and the journal are never silent during a long start.
 

@@ -3,7 +3,7 @@
 Each connection's bytes go to the broker as they arrive; everything the broker wants written is sent once per
 loop turn per connection (one ``transport.write`` with all of that turn's packets), and connections the broker
 closed are closed after their last bytes. The broker never sees a transport: :attr:`BrokerIO.transports` maps
-each of its :class:`~gateway.broker.session.Connection` objects to one. When the broker leaves part of a read
+each of its :class:`~gateway.broker.session_state.Connection` objects to one. When the broker leaves part of a read
 pending (``Connection.pending``: a long run of PUBACKs, handled in parts), the connection's output is written at
 once and :meth:`Broker.resume` called, within the same ``data_received``, until nothing is pending.
 """
@@ -17,12 +17,12 @@ from typing import Any
 
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
-from gateway.broker.session import Connection
+from gateway.broker.session_state import Connection
 
 log = logging.getLogger("gateway.server")
 
 #: Seconds a connection the broker closed keeps reading (and discarding) after its last packet and a FIN went out,
-#: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data (issue 13).
+#: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data.
 CLOSE_LINGER = 1.0
 
 #: Packets queued for the connection just read after which they are written at once instead of at the end of the

@@ -18,8 +18,8 @@ from gateway.auth.throttle import FailureThrottle
 from gateway.auth.tls import TlsConfigError, build_server_context
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
-from gateway.broker.store import MemoryStore, SessionStore
-from gateway.server.access import reload_access
+from gateway.broker.store_port import MemoryStore, SessionStore
+from gateway.server.auth_files import reload_access
 from gateway.server.config import GatewayConfig
 from gateway.server.load_progress import LoadReporter
 from gateway.server.notify import SystemdNotify, install_debug_hang
@@ -104,7 +104,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         lmdb_store = None
         store = MemoryStore()
         log.warning("store: memory only; persistent sessions and retained messages do not survive a restart")
-    # Who may connect and what they may do, per listener (issue 15; the files were read with the configuration)
+    # Who may connect and what they may do, per listener (the files were read with the configuration)
     config.broker.access = {lc.name: lc.auth.access() for lc in config.listeners}
     config.broker.throttle = FailureThrottle()
     for lc in config.listeners:

@@ -1,4 +1,4 @@
-"""Accepting TLS connections on a listener (issue 15): an accept loop of its own and a server-side TLS handshake by
+"""Accepting TLS connections on a listener: an accept loop of its own and a server-side TLS handshake by
 :meth:`asyncio.loop.connect_accepted_socket` (``ssl=``, ``ssl_handshake_timeout=`` the listener's
 ``connect_timeout``); a failed handshake closes that connection with one log line, rate-limited per peer host and
 reason (the broker's :class:`~gateway.broker.ratelog.RateLimitedLog`: at most one line a minute), and the broker goes

@@ -1,4 +1,4 @@
-"""MQTT over WebSockets (MQTT 5.0 §6, MQTT 3.1.1 §6; issue 18): a thin adapter between a TCP or TLS connection and
+"""MQTT over WebSockets (MQTT 5.0 §6, MQTT 3.1.1 §6): a thin adapter between a TCP or TLS connection and
 the same :class:`~gateway.server.protocol.MQTTProtocol` that plain listeners use, with the WebSocket protocol
 (RFC 6455) done by the ``websockets`` package's sans-I/O :class:`~websockets.server.ServerProtocol` (its C
 extension unmasks frames; docs/benchmarks.md has the figures that chose it over wsproto).

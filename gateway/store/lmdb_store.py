@@ -1,4 +1,4 @@
-"""The LMDB implementation of the broker's :class:`~gateway.broker.store.SessionStore` (DESIGN.md §4).
+"""The LMDB implementation of the broker's :class:`~gateway.broker.store_port.SessionStore` (DESIGN.md §4).
 
 - One environment under ``[store] path``, named databases (see :mod:`gateway.store.records`).
 - All writes on one writer thread. The event loop records changes into the open batch; the batch is handed to
@@ -34,19 +34,20 @@
 Modules of the store (imports go down this list only):
 
 - :mod:`gateway.store.lmdb_store` (this one): :class:`LmdbStore`: the typed operations that record changes on the
-  loop, batches and their ``when_durable`` callbacks, opening, loading, quarantine, ``stats``;
+  loop, opening, loading, quarantine, the ``has_room`` quota, ``stats``;
+- :mod:`gateway.store.batches`: :class:`~gateway.store.batches.CommitBatches` (the base of :class:`LmdbStore`): the
+  open batch, the batches in flight and their ``when_durable`` callbacks (riders included);
 - :mod:`gateway.store.loading`: one loader per table, and the removal of what expired while the broker was down;
-- :mod:`gateway.store.writer`: :class:`~gateway.store.writer.LmdbWriter` (the base of :class:`LmdbStore`): the
+- :mod:`gateway.store.writer`: :class:`~gateway.store.writer.LmdbWriter` (the base of ``CommitBatches``): the
   environment, the writer thread, group commit, applying operations, reference counts, isolation of failing
   changes, full store or disk, writing ahead;
-- :mod:`gateway.store.pager`: :class:`~gateway.store.pager.LmdbPager`, queue rows read back as a queue drains;
+- :mod:`gateway.store.lmdb_pager`: :class:`~gateway.store.lmdb_pager.LmdbPager`, queue rows read back as a queue drains;
 - :mod:`gateway.store.settings`, :mod:`gateway.store.tables` (the named databases), :mod:`gateway.store.records`
   (record formats and keys); :mod:`gateway.store.tools` (``edge-gateway store ...``) uses :class:`LmdbStore`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import fcntl
@@ -56,7 +57,6 @@ import shutil
 import struct
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -65,11 +65,13 @@ import lmdb
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import OFFLINE_MEM_LEN
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import NEVER, Session
-from gateway.broker.store import LoadedState, OutboxRecord
+from gateway.broker.session_state import NEVER, Session
+from gateway.broker.store_port import LoadedState, OutboxRecord
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.primitives import encode_string
 from gateway.store import records as rec
+from gateway.store.batches import CommitBatches
+from gateway.store.lmdb_pager import LmdbPager
 from gateway.store.loading import (
     Expired,
     Loading,
@@ -83,7 +85,6 @@ from gateway.store.loading import (
     load_subscriptions,
     remove_expired,
 )
-from gateway.store.pager import LmdbPager
 from gateway.store.settings import StoreSettings
 from gateway.store.writer import (
     _DEL,
@@ -94,11 +95,9 @@ from gateway.store.writer import (
     _PUT,
     _Q_DEL,
     _Q_PUT,
-    _Q_SENT,
     _RET_DEL,
     _RET_PUT,
     _SESS_DEL,
-    LmdbWriter,
     _no_room,
 )
 
@@ -118,7 +117,7 @@ class StoreError(Exception):
     """The store cannot be used (corrupt and ``on_corrupt = "refuse"``, locked by another process, ...)."""
 
 
-class LmdbStore(LmdbWriter):
+class LmdbStore(CommitBatches):
     """Durable sessions, queues, inbound QoS 2 state and retained messages in LMDB.
 
     Args:
@@ -130,46 +129,20 @@ class LmdbStore(LmdbWriter):
     def __init__(self, settings: StoreSettings, limits_for: Callable[[], ZoneLimits] = ZoneLimits) -> None:
         super().__init__(settings)
         self.limits_for = limits_for
-        self.on_callbacks_done: Callable[[], None] | None = None
         #: Called on the loop with a client id and the seqs of its queue rows that a commit did not write (it
         #: failed, or left them out), before any later commit lands (``_rows_not_written``): the broker drops
         #: their Message Queue entries (``Broker.queue_rows_lost``), so that none is paged out as a missing row.
         self.on_queue_rows_lost: Callable[[str, list[int]], None] | None = None
         self._pagers: weakref.WeakValueDictionary[bytes, LmdbPager] = weakref.WeakValueDictionary()  # by prefix
-        self._ops: list[tuple[Any, ...]] = []
-        #: Sends of stored deliveries whose row is not patched yet, by seq: (client id, delivery). Turned into
-        #: _Q_SENT operations when the batch is handed over; a delivery deleted before that needs none.
-        self._sent: dict[int, tuple[str, Delivery]] = {}
-        self._cbs: list[Callable[[], None]] = []
-        self._fails: list[Callable[[bool], None]] = []  # the open batch's on_failure callbacks, in order
-        self._inflight: deque[list[Callable[[], None]]] = deque()
-        self._inflight_fail: deque[list[Callable[[bool], None]]] = deque()
-        #: A batch was handed over by when_durable itself (group_commit off) in this loop turn: a later callback of
-        #: this turn may own changes in it (recorded before a nested when_durable), so it is not a rider.
-        self._submitted_this_turn = False
-        #: Called on the loop with the client ids whose changes were left out of a commit (they failed alone),
-        #: before that commit's ``when_durable`` callbacks run: the broker closes their connections so that
-        #: nothing of theirs is acknowledged (``Broker.store_change_failed``).
-        self.on_change_failed: Callable[[set[str]], None] | None = None
         #: Called while :meth:`load` reads the store back, with how far it is (rows and bytes per table; see
         #: :class:`~gateway.store.loading.LoadProgress`): the runner logs it and tells systemd, the tools draw a bar.
         self.on_load_progress: Callable[[LoadProgress], None] | None = None
-        self._long_names: dict[bytes, str] = {}  # hashed key part -> the client id it stands for
         self._hashed_keys = True  # False while reading a format 1/2 store as it is (tools)
-        self._submit_scheduled = False
-        self._lazy: asyncio.TimerHandle | None = None  # a submit of changes nobody waits for, not yet due
         self._enc: tuple[int, bytes] = (0, b"")  # the last message record encoded on the loop, by mid
-        # Every queue row with a seq <= this was committed, except those reported to on_queue_rows_lost first.
-        self.committed_seq = 0
-        self._inflight_seq: deque[int] = deque()
-        self._seq = 1
-        self._next_mid_hint = 1
         self._outbox_loaded: dict[bytes, list[OutboxRecord]] = {}  # by the link's key part (records.name_key)
-        self._prefixes: dict[str, bytes] = {}  # client id -> its key prefix
         self._lock_fd: int | None = None
         limit = settings.max_size
         self._room_below = limit - max(_MIN_HEADROOM, int(limit * _HEADROOM_FRACTION))  # has_room: used below this
-        self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
         self.refused = 0
         self.quarantined: str | None = None
         self.closed = False
@@ -346,12 +319,7 @@ class LmdbStore(LmdbWriter):
             log.info("store: %d rows with names longer than %d bytes rewritten to store format %d", moved, limit,
                      rec.FORMAT_VERSION)
 
-    # ------------------------------------------------------------------------------------------ batches (loop side)
-
-    def attach(self, loop: asyncio.AbstractEventLoop, on_callbacks_done: Callable[[], None] | None = None) -> None:
-        """Bind to the event loop that records changes and runs ``when_durable`` callbacks."""
-        self.loop = loop
-        self.on_callbacks_done = on_callbacks_done
+    # ------------------------------------------------------------------------------------------ to the loop
 
     def _rows_not_written(self, keys: list[bytes]) -> None:
         """Loop: report queue rows that were not written (``keys``: client prefix + seq) to
@@ -372,129 +340,12 @@ class LmdbStore(LmdbWriter):
             except Exception:
                 log.exception("store: on_queue_rows_lost failed")
 
-    def _owner_ids(self, owners: tuple[set[bytes], set[str]]) -> set[str]:
-        parts, names = owners
-        ids = set(names)
-        for part in parts:
-            if rec.is_hashed(part):
-                cid = self._long_names.get(part)
-                if cid is None:
-                    log.error("store: the owner of key part %r is not known; its connection stays open", part)
-                    continue
-                ids.add(cid)
-            else:
-                ids.add(part.decode("utf-8", "replace"))
-        return ids
-
-    def _committed(self, count: int, ok: bool = True, full: bool = True,
-                   owners: tuple[set[bytes], set[str]] | None = None) -> None:
-        """Run the callbacks of ``count`` committed batches. Clients whose changes were left out (``owners``) are
-        reported first, so that their acknowledgements are not sent. When the write failed, run the batches'
-        ``on_failure`` callbacks (with ``full``: whether for lack of room) instead: nothing that was not written is
-        acknowledged."""
-        if owners is not None and self.on_change_failed is not None:
-            try:
-                self.on_change_failed(self._owner_ids(owners))
-            except Exception:
-                log.exception("store: on_change_failed failed")
-        ran = False
-        for _ in range(count):
-            if not self._inflight:
-                break
-            callbacks = self._inflight.popleft()
-            failures = self._inflight_fail.popleft()
-            seq = self._inflight_seq.popleft()
-            if not ok:
-                for fail in failures:
-                    ran = True
-                    try:
-                        fail(full)
-                    except Exception:
-                        log.exception("durable failure callback failed")
-                continue
-            self.committed_seq = seq
-            for cb in callbacks:
-                ran = True
-                try:
-                    cb()
-                except Exception:
-                    log.exception("durable callback failed")
-        if ran and self.on_callbacks_done is not None:
-            self.on_callbacks_done()
-
-    def _schedule(self) -> None:
-        if self._submit_scheduled:
-            return
-        self._submit_scheduled = True
-        loop = self.loop
-        if loop is None:
-            # No event loop (tools, unit tests): commit synchronously in the caller.
-            self._submit_scheduled = False
-            ops = self._take_ops()
-            cbs, self._cbs = self._cbs, []
-            fails, self._fails = self._fails, []
-            ok = self._commit(ops)
-            owners = self._take_skipped()
-            if owners is not None and self.on_change_failed is not None:
-                self.on_change_failed(self._owner_ids(owners))
-            if ok:
-                self.committed_seq = self._seq - 1
-                for cb in cbs:
-                    cb()
-            else:
-                for fail in fails:
-                    fail(self.last_failure_full)
-        elif self.settings.commit_interval > 0:
-            loop.call_later(self.settings.commit_interval, self._submit)
-        elif self._cbs or not self.settings.group_commit or not self.settings.lazy_commit:
-            loop.call_soon(self._submit)
-        else:
-            # Nobody waits for these changes yet (deletes after acknowledgements, Packet Identifier updates,
-            # QoS 0 queue rows): let them gather for a few milliseconds; a when_durable() brings the commit forward.
-            self._lazy = loop.call_later(self.settings.lazy_commit, self._submit)
-
-    def _submit(self) -> None:
-        self._submit_scheduled = False
-        if self._lazy is not None:
-            self._lazy.cancel()
-            self._lazy = None
-        if not self._ops and not self._sent:
-            if self._cbs:
-                cbs, self._cbs = self._cbs, []
-                self._fails = []
-                for cb in cbs:
-                    cb()
-            return
-        ops = self._take_ops()
-        cbs, self._cbs = self._cbs, []
-        if not self._inflight:
-            self.waiting_since = time.monotonic()
-        self._inflight.append(cbs)
-        self._inflight_fail.append(self._fails)
-        self._fails = []
-        self._inflight_seq.append(self._seq - 1)
-        self._queue.put((ops, self._next_mid_hint, self._seq))
-
-    def _take_ops(self) -> list[tuple[Any, ...]]:
-        """The open batch, with the row patches of the sends in it last (after any new row they patch)."""
-        ops, self._ops = self._ops, []
-        if self._sent:
-            prefix, u64 = self._prefix, rec.u64
-            ops.extend((_Q_SENT, prefix(cid) + u64(seq), d.packet_id, d.state) for seq, (cid, d) in self._sent.items())
-            self._sent = {}
-        return ops
-
     # ------------------------------------------------------------------------------------------ SessionStore
 
     def note_mid(self, mid: int) -> None:
         """Remember the newest message id so ``next_mid`` survives restarts."""
         if mid >= self._next_mid_hint:
             self._next_mid_hint = mid + 1
-
-    def _record(self, op: tuple[Any, ...]) -> None:
-        self._ops.append(op)
-        if not self._submit_scheduled:
-            self._schedule()
 
     def session_saved(self, session: Session) -> None:
         key = self._prefix(session.client_id)[:-1]
@@ -509,20 +360,6 @@ class LmdbStore(LmdbWriter):
 
     def subscription_deleted(self, client_id: str, key: str) -> None:
         self._record((_DEL, self.tables.subs, self._prefix(client_id) + rec.name_key(key)))
-
-    def _prefix(self, client_id: str) -> bytes:
-        """The key prefix of ``client_id``'s rows (``records.client_prefix``), cached; a hashed one is remembered
-        with its client id (to name the owner of a change that fails, :meth:`_owner_ids`)."""
-        prefix = self._prefixes.get(client_id)
-        if prefix is None:
-            if len(self._prefixes) >= 10_000:
-                self._prefixes.clear()
-            prefix = self._prefixes[client_id] = rec.client_prefix(client_id)
-            if len(prefix) > rec.NAME_MAX + 1:
-                if len(self._long_names) >= 10_000:
-                    self._long_names.clear()
-                self._long_names[prefix[:-1]] = client_id
-        return prefix
 
     def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
         seq = delivery.seq
@@ -582,45 +419,6 @@ class LmdbStore(LmdbWriter):
     def retained_deleted(self, topic: str) -> None:
         self._record((_RET_DEL, rec.name_key(topic)))
 
-    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
-        """Run ``callback`` on the loop once everything recorded so far is committed (FIFO with other callbacks);
-        when the batch holding it cannot be committed, run ``on_failure`` instead (its argument: True when for
-        lack of room, MDB_MAP_FULL/ENOSPC/EDQUOT), or nothing. A caller with no change of its own in that batch
-        (nothing open, the batch handed over in an earlier loop turn) gets ``callback`` either way, after the
-        batch's own failures: another client's failed commit does not refuse it."""
-        if self._ops or self._cbs or self._sent:
-            self._cbs.append(callback)
-            if on_failure is not None:
-                self._fails.append(on_failure)
-            if not self.settings.group_commit:
-                self._submit()
-                if not self._submitted_this_turn and self.loop is not None:
-                    self._submitted_this_turn = True
-                    self.loop.call_soon(self._turn_over)
-            elif self._lazy is not None:
-                # Someone waits now: commit at the end of this loop turn, not when the lazy timer fires.
-                self._lazy.cancel()
-                self._lazy = None
-                self._submit_scheduled = True
-                assert self.loop is not None
-                self.loop.call_soon(self._submit)
-        elif self._inflight:
-            self._inflight[-1].append(callback)  # FIFO: after the acknowledgements of the batch being written
-            if self._submitted_this_turn:
-                if on_failure is not None:
-                    self._inflight_fail[-1].append(on_failure)
-            else:
-                # A rider: nothing is open, and every batch in flight was handed over in an earlier loop turn, so
-                # none holds a change of this caller (a handler records and asks in one turn). If that batch
-                # fails, this one has lost nothing: it completes after the batch's own failures, still in order,
-                # and another client's failed commit never refuses it (isolation; DESIGN.md §4).
-                self._inflight_fail[-1].append(lambda _full: callback())
-        else:
-            callback()
-
-    def _turn_over(self) -> None:
-        self._submitted_this_turn = False
-
     def pager(self, client_id: str) -> tuple[LmdbPager, int] | None:
         mem_len = self.settings.mqueue_mem_len
         return (self._new_pager(client_id), mem_len) if mem_len > 0 else None
@@ -662,34 +460,13 @@ class LmdbStore(LmdbWriter):
                           self.used_bytes, limit, headroom, self.refused)
         return False
 
-    def pending(self) -> bool:
-        """True while recorded changes or ``when_durable`` callbacks wait for a commit."""
-        return bool(self._ops or self._cbs or self._sent or self._inflight)
-
-    def healthy(self, max_age: float = 30.0) -> bool:
-        """True while the writer thread is alive and not stuck on a batch (for the systemd watchdog)."""
-        if self._writer is None or not self._writer.is_alive():
-            return False
-        since = max(self.last_commit_at, self.waiting_since)  # an idle store's first batch is not late
-        return not (self._inflight and time.monotonic() - since > max_age)
-
     def close(self) -> None:
         """Commit what is pending, stop the writer, close the environment and release the lock."""
         if self.closed:
             return
         self.closed = True
-        if self._lazy is not None:
-            self._lazy.cancel()
-            self._lazy = None
+        self._hand_over_last()
         if self._writer is not None:
-            if self._ops or self._sent:
-                ops = self._take_ops()
-                self._inflight.append(self._cbs)
-                self._inflight_fail.append(self._fails)
-                self._inflight_seq.append(self._seq - 1)
-                self._cbs = []
-                self._fails = []
-                self._queue.put((ops, self._next_mid_hint, self._seq))
             self._queue.put(None)
             self._writer.join()
             self._writer = None

@@ -23,9 +23,9 @@ import lmdb
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Message
-from gateway.broker.pager import QueuePager
-from gateway.broker.session import Session, awaiting_rel_for_write
-from gateway.broker.store import LoadedState, OutboxRecord
+from gateway.broker.queue_pager import QueuePager
+from gateway.broker.session_state import Session, awaiting_rel_for_write
+from gateway.broker.store_port import LoadedState, OutboxRecord
 from gateway.store import records as rec
 from gateway.store.tables import Tables
 

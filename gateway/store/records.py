@@ -26,7 +26,7 @@ becomes a fixed 161-byte form (``HASHED_LEN``): its first bytes cut on a UTF-8 b
 0x01 to 97 bytes, then the 64-character hex SHA-256 of the whole name. So no key exceeds 161 + 1 + 161 = 323 bytes,
 below LMDB's maximum key size (511 bytes by default), whatever a client sends (MQTT allows 65,535-byte Client
 Identifiers, Topic Filters and Topic Names); a key that LMDB rejects would fail the whole group commit with
-every other client's changes in it (issue 13). A literal name (at most 160 bytes) and a hashed one (161) never
+every other client's changes in it. A literal name (at most 160 bytes) and a hashed one (161) never
 collide, having different lengths; two long names collide only if SHA-256 does. Client identifiers and topics
 cannot contain U+0000 [MQTT-1.5.4-2] and the hashed form has no 0x00 either, so 0x00 separates key parts safely.
 The full name comes back from the value where the loader needs it (sessions, subscriptions); queue and inbound
@@ -43,8 +43,8 @@ import hashlib
 import struct
 
 from gateway.broker.message import NO_IDS, Delivery, Message
-from gateway.broker.routing import SubscriptionRecord
-from gateway.broker.session import Session
+from gateway.broker.session_state import Session
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.packets import PUBLISH, Will
 from gateway.mqtt.primitives import decode_binary, decode_string, decode_vbi, encode_binary, encode_string
 from gateway.mqtt.properties import NO_PROPERTIES, WILL, decode_properties, encode_properties
@@ -273,10 +273,10 @@ def decode_will(data: bytes, pos: int) -> Will | None:
     return Will(topic, payload, flags & 0x03, bool(flags & 0x04), props)
 
 
-#: Set in the protocol level byte of a session record when its owner follows (issue 15): a byte 1 (a verified user
+#: Set in the protocol level byte of a session record when its owner follows: a byte 1 (a verified user
 #: name follows) or 0 (anonymous), the user name if any, and the listener name, before the Will. Records without
-#: it (written before issue 15) load as anonymous sessions of an unknown listener. A version before issue 15 would
-#: misread a record with it: do not run one on a store this version has written.
+#: it (written before session ownership existed) load as anonymous sessions of an unknown listener. A version
+#: without session ownership would misread a record with it: do not run one on a store this version has written.
 _OWNER = 0x80
 
 

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import lmdb
 
-from gateway.broker.store import LoadedState
+from gateway.broker.store_port import LoadedState
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
 from gateway.store.loading import LoadProgress
 from gateway.store.tables import DB_NAMES

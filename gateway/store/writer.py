@@ -13,8 +13,9 @@ operations that record changes on the loop, loading and the tools are in :mod:`g
   probe write every ``_PROBE_INTERVAL`` seconds while nothing else commits), and writing the data file ahead
   (``_preallocate``).
 
-The results go back to the loop through two methods the store implements: ``_committed`` (a commit landed or
-failed) and ``_rows_not_written`` (queue rows a commit did not write).
+The results go back to the loop through two methods implemented above it: ``_committed`` (a commit landed or
+failed; :class:`~gateway.store.batches.CommitBatches`) and ``_rows_not_written`` (queue rows a commit did not
+write; :class:`~gateway.store.lmdb_store.LmdbStore`).
 
 An operation is a tuple whose first item is its kind (``_PUT`` ... ``_Q_SENT`` below), recorded by the store's
 typed operations and applied here.

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from gateway.broker.store import OutboxRecord
+from gateway.broker.store_port import OutboxRecord
 from gateway.mqtt.packets import publish_size
 from gateway.mqtt.properties import Properties, encode_properties
 from gateway.mqtt.properties import PropertyId as P
@@ -32,7 +32,7 @@ FORWARDED_PROPERTIES = (P.PAYLOAD_FORMAT_INDICATOR, P.CONTENT_TYPE, P.RESPONSE_T
 
 
 class OutboxStore(Protocol):
-    """The part of the broker's ``SessionStore`` (gateway/broker/store.py) the outbox uses. Every method records a
+    """The part of the broker's ``SessionStore`` (gateway/broker/store_port.py) the outbox uses. Every method records a
     change for the next commit; none waits for the disk."""
 
     def outbox_seq(self) -> int:

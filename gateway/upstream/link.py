@@ -7,7 +7,7 @@ one place).
 
 Life of a forwarded message (DESIGN.md §5, docs/upstream.md):
 
-1. :meth:`UpstreamLink.forward` runs inside ``Broker._publish`` (``Broker.forwarders``), before the local
+1. :meth:`UpstreamLink.forward` runs inside ``gateway.broker.router.publish`` (``Broker.forwarders``), before the local
    publisher's PUBACK/PUBCOMP is registered: :meth:`Outbox.offer` records a QoS 1/2 message (or QoS 0 with
    ``store_qos0``) in the store's outbox then, so the outbox row is committed with the acknowledgement.
 2. :meth:`UpstreamLink._pump` hands each :meth:`Outbox.next_send` to paho while the link is up, and reports the

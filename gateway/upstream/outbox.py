@@ -26,9 +26,9 @@ Outputs:
 - :meth:`Outbox.tick` returns a :class:`TearDown` when the link looks half-open.
 - :meth:`Outbox.warning` returns the text of the drops to announce (at most once a second).
 - Store rows: the outbox writes them itself through the broker's store interface (:class:`OutboxStore`, the
-  ``outbox_*`` methods of ``gateway.broker.store.SessionStore``), which only records changes for the next group
+  ``outbox_*`` methods of ``gateway.broker.store_port.SessionStore``), which only records changes for the next group
   commit and does no I/O either. It is called directly rather than returned as records because the row must join
-  the commit that acknowledges the local publisher, inside ``Broker._publish``, and a ``msg_id`` needs its store
+  the commit that acknowledges the local publisher, inside ``router.publish``, and a ``msg_id`` needs its store
   sequence at once; a record per message for the glue to replay would only add cost to the forward path.
 - Drops are counted by reason in :attr:`Outbox.dropped` (and queued for :meth:`Outbox.warning`).
 
@@ -44,7 +44,7 @@ import logging
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
-from gateway.broker.store import OutboxRecord
+from gateway.broker.store_port import OutboxRecord
 from gateway.mqtt.topics import topic_matches
 from gateway.upstream.config import literal_prefix
 from gateway.upstream.entries import (
@@ -186,7 +186,7 @@ class Outbox:
         self._enforce_bounds()
 
     def offer(self, message: Message, now: float) -> bool:
-        """A message the broker routed (the ``Broker.forwarders`` hook, inside ``Broker._publish``, before the
+        """A message the broker routed (the ``Broker.forwarders`` hook, inside ``router.publish``, before the
         local publisher's PUBACK/PUBCOMP is registered, so a stored row is committed with it; DESIGN.md §4-5).
 
         The first forward rule whose local filter matches decides the remote topic and the QoS

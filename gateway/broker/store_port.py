@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from gateway.broker.pager import QueuePager
+from gateway.broker.queue_pager import QueuePager
 
 __all__ = ["ChangeLog", "LoadedState", "MemoryStore", "OutboxRecord", "QueuePager", "SessionStore", "StoreChange"]
 
 if TYPE_CHECKING:
     from gateway.broker.message import Delivery, Message
-    from gateway.broker.routing import SubscriptionRecord
-    from gateway.broker.session import Session
+    from gateway.broker.session_state import Session
+    from gateway.broker.subscription_tree import SubscriptionRecord
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Authentication and topic ACLs in the core (issue 15), sans-I/O: the rules arrive as objects, never as files.
+"""Authentication and topic ACLs in the core, sans-I/O: the rules arrive as objects, never as files.
 
 The server layer reads each listener's ``password_file`` and ``acl_file`` (:mod:`gateway.auth`) and hands the parsed
 objects in through :attr:`BrokerSettings.access <gateway.broker.limits.BrokerSettings.access>` (one
@@ -18,7 +18,7 @@ CONNECT (:func:`authenticate`, MQTT 5.0 §3.1.4, §3.2.2.2; MQTT 3.1.1 §3.2.2.3
 
 Refusals close the connection [MQTT-3.1.4-2] [MQTT-3.2.2-7]. Failed attempts from one address are slowed by the
 I/O layer's throttle (:class:`Throttle`, ``gateway.auth.throttle.FailureThrottle``): once an address is throttled
-its CONNECT is held (:data:`~gateway.broker.session.HELD`) for the delay before it is checked, whatever its
+its CONNECT is held (:data:`~gateway.broker.connection_states.HELD`) for the delay before it is checked, whatever its
 password, so a client cannot learn the answer sooner by timing it.
 
 ACLs (``acl_file``; :class:`ClientRules` is ``gateway.auth.acl.ClientAcl``): resolved once per connection into
@@ -33,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.broker.session import NO_KEYS, partial_for_write
+from gateway.broker.session_state import NO_KEYS, partial_for_write
 from gateway.mqtt.reason_codes import ReasonCode as RC
 
 if TYPE_CHECKING:
-    from gateway.broker.session import Session
+    from gateway.broker.session_state import Session
     from gateway.broker.state import BrokerState
 
 

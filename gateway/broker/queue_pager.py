@@ -1,5 +1,5 @@
 """How a Message Queue reads its paged entries back from the store (:mod:`gateway.broker.mqueue`); the store
-implements it (``gateway.store.lmdb_store``). Apart from :mod:`gateway.broker.store` so that the queue depends on
+implements it (``gateway.store.lmdb_store``). Apart from :mod:`gateway.broker.store_port` so that the queue depends on
 this alone (session -> mqueue -> pager, no cycle through the store interface)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The authentication keys of a listener (issue 15): read and check ``allow_anonymous``, ``password_file`` and
-``acl_file``, load the files, and hand the broker core its :class:`~gateway.broker.access.ListenerAccess` objects;
-reload the files on SIGHUP.
+"""The authentication keys of a listener: read and check ``allow_anonymous``, ``password_file`` and ``acl_file``,
+load the files, and hand the broker core its :class:`~gateway.broker.access_decisions.ListenerAccess` objects; reload
+the files on SIGHUP.
 
 Keys (``[listeners.<name>]``, Mosquitto's names and meaning, ``mosquitto.conf(5)``):
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from gateway.auth.acl import Acl, AclFileError
 from gateway.auth.passwd import PasswordFile, PasswordFileError
-from gateway.broker.access import ListenerAccess
+from gateway.broker.access_decisions import ListenerAccess
 from gateway.values import is_unix_path, parse_address
 
 log = logging.getLogger("gateway.server")

@@ -12,21 +12,22 @@ from collections import deque
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from gateway.broker.connection_states import ALLOWED, AWAITING_CONNECT, ConnState, IllegalTransition
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
 from gateway.broker.mqueue import MessageQueue
-from gateway.broker.routing import SubscriptionRecord
+from gateway.broker.subscription_tree import SubscriptionRecord
 from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import Will
 
 if TYPE_CHECKING:
-    from gateway.broker.pager import QueuePager
+    from gateway.broker.queue_pager import QueuePager
 
 #: Session Expiry Interval meaning "never expires" (MQTT 5.0 §3.1.2.11.2).
 NEVER = 0xFFFFFFFF
 
 #: Shared read-only stand-ins for per-session and per-connection containers that most clients never use (an idle
-#: connection must stay small, issue 20): replaced by a real set/dict on the first write (see the ``*_for_write``
+#: connection must stay small): replaced by a real set/dict on the first write (see the ``*_for_write``
 #: helpers below, and :meth:`Session.start_receiving`).
 NO_KEYS: frozenset[str] = frozenset()
 NO_ENTRIES: MappingProxyType[Any, Any] = MappingProxyType({})
@@ -47,12 +48,6 @@ class _NoQueue(MessageQueue):
 #: The shared Message Queue of every session that has never subscribed (or been loaded from the store).
 NO_QUEUE: MessageQueue = _NoQueue(0, 0)
 
-# Connection states.
-AWAITING_CONNECT = 0
-CONNECTED = 1
-CLOSED = 2
-#: CONNECT received and held by the failure throttle until ``Connection.held_until`` (issue 15)
-HELD = 3
 
 
 class Session:
@@ -69,18 +64,19 @@ class Session:
         expires_at: wall-clock seconds when an offline session ends, else ``None``.
         will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.
         username: the verified user name of the client that owns the session (``None``: anonymous); another
-            user may not take the session over (issue 15). Kept in the store.
+            user may not take the session over. Kept in the store.
         listener: the name of the listener its client last connected on (whose ``acl_file`` applies).
         unsent: deliveries of the Inflight Window not yet re-sent on the current connection, oldest first: a
             session resumed with a Receive Maximum smaller than what it has in flight gets the rest as slots free
             [MQTT-3.3.4-9].
-        acl: its ACL rules (``gateway.broker.access.ClientRules``), ``None`` without an ``acl_file``.
-        partial: keys of its subscriptions decided PARTIAL (checked per message, :mod:`gateway.broker.access`).
+        acl: its ACL rules (``gateway.broker.access_decisions.ClientRules``), ``None`` without an ``acl_file``.
+        partial: keys of its subscriptions decided PARTIAL (checked per message,
+            :mod:`gateway.broker.access_decisions`).
 
     Until its first subscription a session's ``subscriptions``, ``inflight`` and ``mqueue`` are the shared empty
     read-only stand-ins :data:`NO_ENTRIES` and :data:`NO_QUEUE` (written only after :meth:`start_receiving`), and
     ``awaiting_rel`` is :data:`NO_ENTRIES` until its first QoS 2 PUBLISH (:func:`awaiting_rel_for_write`): about
-    370 bytes less for a client that only publishes (issue 20). Reading them needs no care.
+    370 bytes less for a client that only publishes. Reading them needs no care.
     """
 
     __slots__ = (
@@ -173,6 +169,7 @@ class Connection:
     """One Network Connection's protocol state. The I/O layer drains ``out`` (and keeps the transport itself).
 
     Attributes:
+        state: a :class:`~gateway.broker.connection_states.ConnState`; changed only by :meth:`move_to`.
         out: encoded packets waiting to be written, in order (written in one call per loop turn).
         close_after_flush: the broker wants the connection closed once ``out`` is written.
         version: Protocol Level (3, 4 or 5) once CONNECT arrived.
@@ -193,7 +190,7 @@ class Connection:
             ``None``; set by the I/O layer before any byte is received.
         username: the verified user name once CONNECT is accepted (``None``: anonymous).
         held / held_until: packets received while the CONNECT (the first of them) is held by the failure
-            throttle, and when it is released (wall-clock seconds; state :data:`HELD`).
+            throttle, and when it is released (wall-clock seconds; state ``HELD``).
         tokens / tokens_at: the ``max_publish_rate`` token bucket (tokens, and when it was last filled).
         deferred / deferred_data: the PUBLISH waiting for a token, and bytes read meanwhile (``max_publish_rate``).
         paused_until: wall-clock seconds until which the I/O layer must not read from this connection
@@ -250,7 +247,7 @@ class Connection:
         self.reader = PacketReader(limits.max_packet_size)
         self.out: list[bytes] = []
         self.close_after_flush = False
-        self.state = AWAITING_CONNECT
+        self.state: ConnState = AWAITING_CONNECT
         self.version = 4
         self.client_id = ""
         self.session: Session | None = None
@@ -272,7 +269,7 @@ class Connection:
         self.pending = False
         self.pending_acks: list[int] | tuple[()] = ()
         self.pending_data = b""
-        self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue (issue 15)
+        self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue
         self.username: str | None = None
         self.held: list[Any] | tuple[()] = ()  # a list while the CONNECT is held (connect.hold)
         self.held_until = 0.0
@@ -283,6 +280,13 @@ class Connection:
         self.deferred_data = b""
         self.check_key: int | None = None
 
+
+    def move_to(self, state: ConnState) -> None:
+        """Change :attr:`state` to ``state``; :class:`~gateway.broker.connection_states.IllegalTransition` when
+        :data:`~gateway.broker.connection_states.ALLOWED` does not list the change (a bug in the core)."""
+        if state not in ALLOWED[self.state]:
+            raise IllegalTransition(self.state, state)
+        self.state = state
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 
+from gateway.broker.connection_states import CLOSED
 from gateway.broker.message import Message
 from gateway.broker.router import publish
-from gateway.broker.session import CLOSED, NEVER, Connection, Session
+from gateway.broker.session_state import NEVER, Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5, Will
 from gateway.mqtt.properties import PropertyId as P
@@ -24,7 +25,7 @@ def close(core: BrokerState, conn: Connection, now: float, publish_will: bool) -
     """Close ``conn`` once its output is written; detach its session."""
     if conn.state == CLOSED:
         return
-    conn.state = CLOSED
+    conn.move_to(CLOSED)
     conn.close_after_flush = True
     core.dirty.add(conn)
     detach(core, conn, now, publish_will)

@@ -1,5 +1,5 @@
 """Reading a persistent session's queue rows back from the LMDB store as its Message Queue drains (queue paging,
-:mod:`gateway.broker.mqueue`; the interface is :class:`gateway.broker.pager.QueuePager`)."""
+:mod:`gateway.broker.mqueue`; the interface is :class:`gateway.broker.queue_pager.QueuePager`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class PagedStore(Protocol):
 
 
 class LmdbPager:
-    """The :class:`~gateway.broker.pager.QueuePager` of one session: reads its committed queue rows.
+    """The :class:`~gateway.broker.queue_pager.QueuePager` of one session: reads its committed queue rows.
 
     The store keeps a weak index of its pagers by key prefix (``prefix``), to name the session of a queue row that a
     commit did not write (:meth:`~gateway.store.lmdb_store.LmdbStore._rows_not_written`)."""
