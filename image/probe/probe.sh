@@ -50,8 +50,8 @@ journal() {  # the last lines of a unit's journal, to the console
 }
 prop() { systemctl show -p "$2" --value "$1"; }
 # Local tools use the internal loopback listener (1884), the image's only one: the external listener (TLS on 8883,
-# anonymous clients refused) needs a board's certificate and key, which a generic image does not hold (issue 15,
-# ansible/inventory/image/hosts.yml).
+# anonymous clients refused) needs a board's certificate and key, which a generic image does not hold
+# (ansible/inventory/image/hosts.yml; a board gets them from its per-board settings).
 roundtrip() {  # roundtrip TOPIC: a QoS 1 message from mosquitto_pub reaches mosquitto_sub through the broker
     token="rt-$(cut -d' ' -f1 /proc/uptime)-$$"
     rm -f /run/probe-rt
