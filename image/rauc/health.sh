@@ -29,21 +29,15 @@ version=${version:-unknown}
 install -d -m 0755 "$STATE"
 confirmed=$(cat "$STATE/confirmed-$slot" 2>/dev/null || true)
 
-# Which slot RAUC considers primary (the one it installed last and marked for boot): booting another one means the
-# boot loader fell back, or the health check of the primary failed.
-# rauc's JSON status: "booted" (a bootname) and "boot_primary" (a slot name, rootfs.N), as bootnames.
-rauc_slots() {
-    rauc status --output-format=json 2>/dev/null | python3 -c '
-import json, sys
-status = json.load(sys.stdin)
-slots = status.get("slots", [])
-names = {n: i.get("bootname", "") for slot in (slots if isinstance(slots, list) else [slots]) for n, i in slot.items()}
-print(names.get(status.get("booted"), status.get("booted") or "?"), names.get(status.get("boot_primary"), "?"))
-' 2>/dev/null || echo "? ?"
-}
-read -r booted primary <<EOS
-$(rauc_slots)
-EOS
+# The slot the boot loader should have booted: the first of ORDER that is still good (grubenv, RAUC's grub backend).
+# Booting another one means GRUB fell back: that slot used up its tries without being marked good. (RAUC's own
+# "primary" is no help here: it names a slot on trial only once it is marked good.)
+GRUBENV=/boot/firmware/EFI/edge-gateway/grubenv
+grubenv=$(grub-editenv "$GRUBENV" list 2>/dev/null)
+preferred=""
+for s in $(echo "$grubenv" | sed -n 's/^ORDER=//p'); do
+    if [ "$(echo "$grubenv" | sed -n "s/^${s}_OK=//p")" = 1 ]; then preferred=$s; break; fi
+done
 
 deadline=$(( $(uptime_s) + HEALTH_TIMEOUT ))
 why=""
@@ -106,8 +100,8 @@ if [ -z "$why" ]; then
     fi
     if [ "$last_outcome" = rolling_back ]; then
         report rolled_back "the update to $previous was not healthy: back on slot $slot"
-    elif [ "$primary" != "?" ] && [ "$booted" != "?" ] && [ "$primary" != "$booted" ]; then
-        report rolled_back "booted $booted, not the primary slot $primary: its update did not come up"
+    elif [ -n "$preferred" ] && [ "$preferred" != "$slot" ]; then
+        report rolled_back "GRUB fell back to slot $slot: slot $preferred did not come up"
     elif [ -n "$previous" ] && [ "$previous" != "$version" ]; then
         report updated "healthy: marked good"
     elif [ ! -e "$STATE/last" ]; then
