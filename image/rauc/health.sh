@@ -72,14 +72,23 @@ report() {  # report OUTCOME DETAIL: the log, $STATE/last, and gateway/<id>/upda
     say "$outcome: slot $slot version $version (before: ${previous:-none}); $detail"
     printf 'OUTCOME=%s\nSLOT=%s\nVERSION=%s\nPREVIOUS=%s\nAT=%s\nDETAIL=%s\n' "$outcome" "$slot" "$version" \
         "${previous:-}" "$now" "$detail" > "$STATE/last.new" && mv "$STATE/last.new" "$STATE/last"
-    gateway_id=$(sed -n 's/^[[:space:]]*gateway_id[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' "$CONFIG" | head -1)
-    gateway_id=${gateway_id:-$(hostname)}
-    port=$(sed -n 's/^[[:space:]]*bind[[:space:]]*=[[:space:]]*"127\.0\.0\.1:\([0-9]*\)".*/\1/p' "$CONFIG" | head -1)
+    # the gateway id and a plain MQTT listener on loopback, from the broker's configuration
+    found=$(python3 -c '
+import socket, sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    cfg = tomllib.load(f)
+binds = [(str(z.get("bind", "")), z) for z in cfg.get("listeners", {}).values()]
+port = next((b.rsplit(":", 1)[1] for b, z in binds
+             if b.startswith("127.0.0.1:") and z.get("protocol", "mqtt") == "mqtt" and not z.get("certfile")), "")
+print(cfg.get("broker", {}).get("gateway_id") or socket.gethostname(), port)
+' "$CONFIG" 2>/dev/null)
+    gateway_id=${found% *}
+    port=${found##* }
     json=$(printf '{"outcome": "%s", "slot": "%s", "version": "%s", "previous": "%s", "at": "%s", "detail": "%s"}' \
         "$outcome" "$slot" "$version" "${previous:-}" "$now" "$(echo "$detail" | tr -d '"\\')")
     if [ -n "$port" ]; then  # retried: the broker may be restarting
         for _ in 1 2 3 4 5 6 7 8 9 10 11 12; do
-            mosquitto_pub -h 127.0.0.1 -p "$port" -q 1 -r -t "gateway/$gateway_id/update" -m "$json" \
+            timeout 20 mosquitto_pub -h 127.0.0.1 -p "$port" -q 1 -r -t "gateway/$gateway_id/update" -m "$json" \
                 2>/run/edge-gateway-health.err && return 0
             sleep 5
         done
