@@ -213,7 +213,8 @@ def ssh(port: int, *args: str) -> subprocess.CompletedProcess[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
-    parser.add_argument("--boot-timeout", type=float, default=900.0, help="hard limit of one qemu run, seconds")
+    parser.add_argument("--boot-timeout", type=float, default=1800.0, help="hard limit of one qemu run, seconds "
+                        "(a served boot waits for the health check, an install writes 2 GiB under TCG)")
     parser.add_argument("--keep-disk", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
