@@ -196,8 +196,9 @@ class Vm:
             if not nvram.exists():
                 shutil.copyfile(OVMF_VARS, nvram)
             boot = ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
-                    "-drive", f"if=pflash,format=raw,unit=1,file={nvram}",
-                    "-fw_cfg", f"name=opt/edge_gateway/probe,string={self.cmdline}"]
+                    "-drive", f"if=pflash,format=raw,unit=1,file={nvram}"]
+            if self.cmdline:  # (qemu refuses an empty fw_cfg string; no entry: the probe stays inert)
+                boot += ["-fw_cfg", f"name=opt/edge_gateway/probe,string={self.cmdline}"]
         else:
             boot = ["-kernel", self.arch.kernel, "-initrd", self.arch.initrd,
                     "-append", f"root={self.arch.root} ro console={self.arch.console} panic=-1 {self.cmdline}"]
