@@ -254,6 +254,24 @@ def _cmd_update_enabled(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_update_room(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gateway.update.pull import EXIT_CONFIG, room_for
+
+    config = _read_config(args.config)
+    if config is None:
+        return EXIT_CONFIG
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        print(f"edge-gateway update room: --dir {directory}: not a directory", file=sys.stderr)
+        return 2
+    fits, detail = room_for(args.bytes, directory, Path(config.store.path), config.store.max_size,
+                            config.update.reserve)
+    print(f"{'room' if fits else 'no room'}: {detail}")
+    return 0 if fits else 1
+
+
 def _add_update_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     default_config = os.environ.get("EDGE_GATEWAY_CONFIG") or "/etc/edge-gateway/gateway.toml"
     update = sub.add_parser("update", help="pull A/B root updates from an HTTPS manifest (opt-in)",
@@ -291,6 +309,17 @@ def _add_update_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     enabled.add_argument("--config", "-c", metavar="PATH", default=default_config,
                          help=f"gateway.toml (default: {default_config})")
     enabled.set_defaults(func=_cmd_update_enabled)
+    room = actions.add_parser("room", help="exit 0 when BYTES more fit beside the store's room, 1 when not",
+                              description="The free-space rule of `update pull`, for a bundle copied some other "
+                                          "way (ansible/update.yml): exit 0 when BYTES more fit in DIR beside the "
+                                          "room the store may still grow into ([store] max_size) and [update] "
+                                          "reserve, 1 when they do not; the figures are printed either way.")
+    room.add_argument("bytes", type=int, metavar="BYTES", help="the size to be written, bytes")
+    room.add_argument("--dir", metavar="DIR", default="/var/lib/edge-gateway/update",
+                      help="where it is written (default: %(default)s)")
+    room.add_argument("--config", "-c", metavar="PATH", default=default_config,
+                      help=f"gateway.toml with [store] and [update] (default: {default_config})")
+    room.set_defaults(func=_cmd_update_room)
 
 
 def build_parser() -> argparse.ArgumentParser:

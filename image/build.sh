@@ -231,6 +231,12 @@ install -D -m 0755 "$ROOT_DIR/image/probe/probe.sh" "$rootfs/usr/local/lib/edge-
 install -D -m 0644 "$ROOT_DIR/image/probe/edge-gateway-probe.service" \
     "$rootfs/etc/systemd/system/edge-gateway-probe.service"
 ln -sfn ../edge-gateway-probe.service "$rootfs/etc/systemd/system/multi-user.target.wants/edge-gateway-probe.service"
+# The data partition grows to the end of a larger card at the first boot (image/data/grow-data.sh).
+install -D -m 0755 "$ROOT_DIR/image/data/grow-data.sh" "$rootfs/usr/local/lib/edge-gateway/grow-data.sh"
+install -D -m 0644 "$ROOT_DIR/image/data/edge-gateway-grow-data.service" \
+    "$rootfs/etc/systemd/system/edge-gateway-grow-data.service"
+ln -sfn ../edge-gateway-grow-data.service \
+    "$rootfs/etc/systemd/system/multi-user.target.wants/edge-gateway-grow-data.service"
 printf 'VERSION=%s\nARCH=%s\n' "$IMAGE_VERSION" "$ARCH" > "$rootfs/etc/edge-gateway-release"
 printf '%s\n' "$IMAGE_VERSION" > "$OUT/edge-gateway-$ARCH.version"
 

@@ -5,21 +5,26 @@ The image boots as a board does (OVMF, then GRUB from its EFI system partition c
 counting, image/rauc/grub.cfg); RAUC installs signed bundles from a "USB stick" (a second disk, labelled EG-STICK);
 edge-gateway-health.service commits a new slot or rolls it back. The probe (image/probe/probe.sh, in its served mode)
 takes commands over the broker itself (probe/command, through qemu's hostfwd on this host's 127.0.0.1 only) and
-reports on the serial console. qemu runs with -no-reboot, so every reboot of the guest ends a qemu run and the next
-boot is a new run on the same disk: GRUB's state (grubenv) is what carries over, as on a board.
+reports on the serial console. A qemu run ends at a poweroff or a power cut (SIGKILL); the guest's reboots stay in
+the run (ansible's reboot waits for the same machine), and GRUB's state (grubenv) carries the A/B choice over them.
 
-0. Per-board settings: before the first boot a valid ``edge-gateway-settings.toml`` (a gateway id, an operator's
-   SSH key) is put on the boot partition; the first boot applies it and removes it; the operator logs in with the key
-   over SSH (through a second hostfwd) and is refused a password login. Before the second boot a broken one: it is
-   renamed ``.rejected`` with its errors beside it, and the gateway keeps the settings it had.
-1. v1 (slot A): a persistent session's QoS 1 messages are acknowledged; ``rauc install`` of v2; more messages
-   while the new slot waits; reboot.
-2. v2 boots from slot B, the health check marks it good and reports ``updated`` (v1 -> v2); every acknowledged message
-   is delivered. Refused, with nothing changed: a bundle signed by another key, one for another architecture, a
-   truncated one. Then v3, whose broker cannot start, is installed; reboot.
-3. v3 (slot A): the broker fails, the health check marks the slot bad and reboots.
-4. GRUB falls back to slot B: v2 runs, healthy, and reports ``rolled_back`` (v3 -> v2); nothing acknowledged lost.
-5. A power cut (SIGKILL of qemu) in the middle of ``rauc install``: the next boot is slot B, v2, healthy.
+0. The disk is 2 GiB larger than the image, as a card is: the first boot grows the data partition into it. Per-board
+   settings: before the first boot a valid ``edge-gateway-settings.toml`` (a gateway id, a message expiry longer than
+   the test, an operator's SSH key) is put on the boot partition; the first boot applies it and removes it; the
+   operator logs in with the key over SSH (through a second hostfwd) and is refused a password login.
+1. v1 (slot A): a persistent session's QoS 1 messages are acknowledged. ansible/update.yml pushes v2 (as an
+   operator's laptop does, over SSH with that key): room checked, bundle copied, ``rauc install``, reboot, wait for
+   the health check; v2 boots from slot B, is marked good and reports ``updated`` (v1 -> v2); every acknowledged
+   message is delivered. Power off; a broken settings file on the boot partition.
+2. v2 again: the broken settings are renamed ``.rejected`` with their errors beside them, and the gateway keeps the
+   settings it had. Refused from the "USB stick", with nothing changed: a bundle signed by another key, one for
+   another architecture, a truncated one. More messages.
+3. ansible/update.yml pushes v3, whose broker cannot start, to a rollout of two gateways one at a time: v3 is
+   installed and booted, the health check marks it bad and reboots, GRUB falls back to slot B, v2 reports
+   ``rolled_back`` (v3 -> v2); the playbook fails that gateway and never touches the second one; nothing
+   acknowledged is lost.
+4. A power cut (SIGKILL of qemu) in the middle of ``rauc install`` from the stick: the next boot is slot B, v2,
+   healthy, nothing lost.
 
 v2 and v3 are the image's own root with a changed /etc/edge-gateway-release (and, for v3, no broker program),
 edited with debugfs on a copy, and signed by image/rauc/bundle.sh with the image's key. Exit status 0 when every
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +51,8 @@ import paho.mqtt.client as mqtt
 from vm_test import ROOT, Vm, arch_config, connect, free_port, log
 
 TOPIC = "update"
+#: bytes the test's disk is larger than the image: the card the data partition grows into at the first boot
+GROW = 2 << 30
 
 
 class Session:
@@ -183,6 +191,8 @@ def make_stick(out: Path, work: Path, v1: str) -> tuple[Path, dict[str, str]]:
     bundle(out, small, "9.9.9", stick_dir / "arm64.raucb", compatible="edge-gateway-arm64")
     full = (stick_dir / "v2.raucb").read_bytes()
     (stick_dir / "truncated.raucb").write_bytes(full[: len(full) // 2])
+    for name in ("v2.raucb", "v3.raucb"):  # the playbook's copies, named as `make bundle` names them
+        shutil.copyfile(stick_dir / name, work / f"edge-gateway-{versions[name]}-amd64.raucb")
     stick = work / "stick.img"
     size = sum(f.stat().st_size for f in stick_dir.iterdir()) // (1 << 20) + 64
     subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "EG-STICK", "-d", str(stick_dir), str(stick), f"{size}M"],
@@ -210,6 +220,31 @@ def ssh(port: int, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ssh", "-p", str(port), *options, *args], capture_output=True, text=True, timeout=120)
 
 
+def playbook(work: Path, ssh_port: int, key: Path, bundle: Path, more_hosts: tuple[str, ...]) -> \
+        subprocess.CompletedProcess[str]:
+    """ansible/update.yml from this host, as an operator's laptop runs it: the VM as gateway gw-field-07 (over the
+    forwarded SSH port, the operator account and its key), then ``more_hosts``, one gateway a batch. A further host
+    is 127.0.0.1 on a port nobody listens on: a rollout that reached it would fail there as unreachable."""
+    hosts: dict[str, dict[str, object]] = {"gw-field-07": {"ansible_host": "127.0.0.1", "ansible_port": ssh_port}}
+    for name in more_hosts:
+        hosts[name] = {"ansible_host": "127.0.0.1", "ansible_port": free_port()}
+    inventory = work / "inventory.yml"  # (JSON is YAML)
+    inventory.write_text(json.dumps({"all": {"children": {"gateways": {"hosts": hosts, "vars": {
+        "ansible_user": "operator", "ansible_ssh_private_key_file": str(key),
+        "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"}}}}}))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible" / "ansible.cfg"),
+           "ANSIBLE_HOME": str(work / "ansible-home"), "ANSIBLE_LOCAL_TEMP": str(work / "ansible-tmp"),
+           "ANSIBLE_NOCOLOR": "1"}
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory),
+            str(ROOT / "ansible" / "update.yml"), "-e", f"update_bundle={bundle}", "-e", "update_batch=1"]
+    log(f"ansible-playbook update.yml, bundle {bundle.name}, gateways {', '.join(hosts)}")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=5400)
+    for line in proc.stdout.splitlines():
+        if line.startswith(("TASK", "PLAY", "fatal", "failed", "gw-", "  msg")) or "changed:" in line[:12]:
+            print(f"  ansible: {line}", flush=True)
+    return proc
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
@@ -234,6 +269,9 @@ def main() -> int:
     times.append(("bundles and stick", time.monotonic() - t0))
     disk = work / "disk.img"
     subprocess.run(["cp", "--sparse=always", arch.disk, str(disk)], check=True)
+    # a card larger than the image: the first boot grows the data partition into the rest
+    image_bytes = disk.stat().st_size
+    os.truncate(disk, image_bytes + GROW)
     Path(str(disk) + ".efivars").unlink(missing_ok=True)
     session = Session()
     served = "edge_gateway.probe=1 edge_gateway.powercut=again"
@@ -241,20 +279,28 @@ def main() -> int:
     key.unlink(missing_ok=True)
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "operator@update-test", "-f", str(key)],
                    check=True)
+    # message_expiry_interval: the broker's default (5 min) drops a message that waits longer for its offline
+    # subscriber, and an update that rolls back takes longer than that under TCG; the session here must keep them.
     put_on_boot_partition(disk, "edge-gateway-settings.toml",
-                          f'gateway_id = "gw-field-07"\n\n[access]\n'
-                          f'ssh_authorized_keys = ["{key.with_suffix(".pub").read_text().strip()}"]\n')
+                          f'gateway_id = "gw-field-07"\n\n[gateway.broker]\nmessage_expiry_interval = "2h"\n\n'
+                          f'[access]\nssh_authorized_keys = ["{key.with_suffix(".pub").read_text().strip()}"]\n')
     vm: Vm | None = None
     boot_n = 0
 
-    def boot(params: str, port: bool = True) -> Vm:
+    def boot(params: str, port: bool = True, reboot: bool = False) -> Vm:
+        """One qemu run; ``reboot``: the guest's reboots stay in it (a playbook waits for the same machine)."""
         nonlocal boot_n
         boot_n += 1
         serial = work / f"serial-boot{boot_n}.log"
-        machine = Vm(arch, disk, serial, serial.with_suffix(".trace"), params, args.boot_timeout,
-                     free_port() if port else 0, drives=[stick], ssh_port=free_port() if port else 0)
+        machine = Vm(arch, disk, serial, serial.with_suffix(".trace"), params,
+                     args.boot_timeout * (3 if reboot else 1), free_port() if port else 0, drives=[stick],
+                     ssh_port=free_port() if port else 0, reboot=reboot)
         machine.start()
         return machine
+
+    def push(vm: Vm, name: str, *more_hosts: str) -> subprocess.CompletedProcess[str]:
+        """ansible/update.yml with the bundle ``name`` to the VM (and ``more_hosts``, later in the rollout)."""
+        return playbook(work, vm.ssh_port, key, work / f"edge-gateway-{versions[name]}-amd64.raucb", more_hosts)
 
     def expect(line: str, *parts: str) -> None:
         for part in parts:
@@ -266,10 +312,15 @@ def main() -> int:
         log(f"step {name}: {times[-1][1]:.0f} s")
 
     try:
-        # 1. v1 on slot A: messages, install v2, more messages, reboot
+        # 1. v1 on slot A: messages; pushed to v2 by ansible/update.yml (copy, install, reboot, wait for good)
         start = time.monotonic()
-        vm = boot(served)
+        vm = boot(served, reboot=True)
         vm.wait_for("SERVING", args.boot_timeout)
+        grown = re.search(r"edge-gateway-grow-data: /var/lib/edge-gateway now has (\S+)",
+                          vm.serial.read_text(errors="replace"))
+        if grown is None:
+            failures.append("the data partition did not grow into the larger disk at the first boot")
+        log(f"data partition grown at the first boot: {grown.group(1) if grown else 'no'}")
         session.subscribe(vm.port)
         session.publish(vm.port, 50)
         expect(ask(vm, "slot", "SLOT", 120), "booted=A", f"version={v1}")
@@ -284,51 +335,53 @@ def main() -> int:
             failures.append(f"a password login was not refused: {refused.returncode} {refused.stderr[-300:]!r}")
         log(f"settings applied: gateway_id gw-field-07, operator SSH with the key: {login.returncode == 0}, "
             f"password refused: {refused.returncode != 0}")
-        expect(ask(vm, "install v2.raucb", "INSTALLED", 900), "v2.raucb")
         session.publish(vm.port, 50)
-        command(vm, "reboot")
+        step("v1: settings applied, 100 messages", start)
+        start = time.monotonic()
+        pushed = push(vm, "v2.raucb")
+        if pushed.returncode != 0 or "ok=" not in pushed.stdout or "failed=0" not in pushed.stdout:
+            failures.append(f"ansible/update.yml to v2 failed ({pushed.returncode}): {pushed.stdout[-1500:]}")
+        vm.wait_for("SERVING", args.boot_timeout)  # the probe of the boot the playbook's reboot started
+        expect(ask(vm, "slot", "SLOT", 120), "booted=B", f"version={versions['v2.raucb']}", "primary=B")
+        expect(ask(vm, "health", "HEALTH", 900), "OUTCOME=updated", f"VERSION={versions['v2.raucb']}",
+               f"PREVIOUS={v1}")
+        lost = session.drain(vm.port)
+        if lost:
+            failures.append(f"after the update to v2: {len(lost)} acknowledged messages lost: {lost[:20]}")
+        log(f"v2: {len(session.acked)} acknowledged before the update, all delivered: {not lost}")
+        command(vm, "poweroff")
         vm.wait_exit(300)
         put_on_boot_partition(disk, "edge-gateway-settings.toml",
                               'gateway_id = "gw/broken"\n[gateway.broker]\nmax_sessions = "lots"\n')
-        step("v1: settings applied, install v2", start)
+        step("push v1 -> v2 (ansible/update.yml)", start)
 
-        # 2. v2 on slot B: healthy, updated; refusals; install v3
+        # 2. v2 on slot B with a broken settings file; refusals; a rollout of v3 that stops at its first batch
         start = time.monotonic()
-        vm = boot(served)
+        vm = boot(served, reboot=True)
         vm.wait_for("SERVING", args.boot_timeout)
         expect(ask(vm, "slot", "SLOT", 120), "booted=B", f"version={versions['v2.raucb']}")
         expect(ask(vm, "settings", "SETTINGS", 60), "gateway_id=gw-field-07",
                "boot=[edge-gateway-settings.errors.txt edge-gateway-settings.toml.rejected ]", "unit=exit-code")
-        expect(ask(vm, "health", "HEALTH", 900), "OUTCOME=updated", f"VERSION={versions['v2.raucb']}",
-               f"PREVIOUS={v1}")
-        expect(ask(vm, "slot", "SLOT", 60), "booted=B", "primary=B")  # marked good: RAUC's primary now
-        lost = session.drain(vm.port)
-        if lost:
-            failures.append(f"after the update to v2: {len(lost)} acknowledged messages lost: {lost[:20]}")
-        log(f"v2: {len(session.acked)} acknowledged before and during the update, all delivered: {not lost}")
         for bad, why in (("other-key.raucb", "signature"), ("arm64.raucb", "ompatible"),
                          ("truncated.raucb", "")):
             line = ask(vm, f"install {bad}", "REFUSED", 300)
             expect(line, bad, why)
         expect(ask(vm, "slot", "SLOT", 60), "booted=B", "primary=B")
         session.publish(vm.port, 50)
-        expect(ask(vm, "install v3.raucb", "INSTALLED", 900), "v3.raucb")
-        command(vm, "reboot")
-        vm.wait_exit(300)
-        step("v2: healthy, 3 refusals, install v3", start)
+        step("v2: broken settings kept out, 3 bundles refused", start)
 
-        # 3. v3 on slot A: the broker cannot start; the health check marks it bad and reboots
+        # 3. v3, whose broker cannot start: installed, rebooted into, marked bad; GRUB falls back to v2; the
+        #    playbook fails that batch and the next gateway of the rollout is never touched
         start = time.monotonic()
-        vm = boot("", port=False)
-        rc = vm.wait_exit(args.boot_timeout)
+        pushed = push(vm, "v3.raucb", "gw-next")
+        if pushed.returncode == 0 or "did not stay" not in pushed.stdout:
+            failures.append(f"the rollout of v3 did not fail on the first gateway ({pushed.returncode}): "
+                            f"{pushed.stdout[-1500:]}")
+        if "gw-next" in pushed.stdout:
+            failures.append(f"the rollout went on to the next batch after a failed one: {pushed.stdout[-1500:]}")
         text = vm.serial.read_text(errors="replace")
         if "rolling_back" not in text:
-            failures.append(f"v3: no rolling_back from edge-gateway-health (qemu exit {rc})")
-        step("v3: broken, marked bad", start)
-
-        # 4. back on slot B: v2, healthy, rolled_back reported, nothing lost
-        start = time.monotonic()
-        vm = boot(served)
+            failures.append("v3: no rolling_back from edge-gateway-health")
         vm.wait_for("SERVING", args.boot_timeout)
         expect(ask(vm, "slot", "SLOT", 120), "booted=B", f"version={versions['v2.raucb']}")
         expect(ask(vm, "health", "HEALTH", 900), "OUTCOME=rolled_back", f"VERSION={versions['v2.raucb']}",
@@ -336,9 +389,11 @@ def main() -> int:
         lost = session.drain(vm.port)
         if lost:
             failures.append(f"after the rollback: {len(lost)} acknowledged messages lost: {lost[:20]}")
-        step("rolled back to v2", start)
+        log(f"v3 rolled back to v2, rollout stopped at its first batch; {len(session.acked)} acknowledged, "
+            f"all delivered: {not lost}")
+        step("push v2 -> broken v3: rolled back, rollout stopped", start)
 
-        # 5. a power cut in the middle of rauc install: the old slot boots, healthy
+        # 4. a power cut in the middle of rauc install: the old slot boots, healthy
         start = time.monotonic()
         command(vm, "install v2.raucb")
         time.sleep(20)
@@ -360,7 +415,7 @@ def main() -> int:
         for path in work.glob("*.trace"):
             path.unlink(missing_ok=True)
         if not failures and not args.keep_disk:
-            for path in (disk, Path(str(disk) + ".efivars"), stick):
+            for path in (disk, Path(str(disk) + ".efivars"), stick, *work.glob("edge-gateway-*.raucb")):
                 path.unlink(missing_ok=True)
     for name, seconds in times:
         log(f"time {name}: {seconds:.0f} s")
@@ -371,8 +426,8 @@ def main() -> int:
     if failures:
         log(f"serial logs and the disk are kept in {work}")
         return 1
-    log("update test passed: v1 -> v2 updated, 3 bundles refused, v3 rolled back to v2, power cut during install "
-        "kept v2; nothing acknowledged lost")
+    log("update test passed: data partition grown, v1 -> v2 pushed and updated, 3 bundles refused, v3 rolled back "
+        "to v2 and its rollout stopped, power cut during install kept v2; nothing acknowledged lost")
     return 0
 
 

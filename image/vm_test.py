@@ -161,6 +161,8 @@ class Vm:
     drives: list[Path] = field(default_factory=list)
     #: this host's 127.0.0.1 port forwarded to the guest's SSH server (22), 0 = none
     ssh_port: int = 0
+    #: a reboot of the guest reboots in place (a playbook's reboot waits for the same machine); else it ends the run
+    reboot: bool = False
     proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
     started: float = 0.0
@@ -207,7 +209,8 @@ class Vm:
         cmd = ["timeout", "--signal=KILL", str(int(self.limit)),
                "strace", "-f", "--seccomp-bpf", "-qq", "-y", "-e", "trace=fdatasync,fsync", "-o", str(self.trace),
                *self.arch.qemu, "-accel", os.environ.get("IMAGE_TEST_ACCEL", "tcg"),
-               "-no-reboot", "-display", "none", "-monitor", "none", *serial, "-pidfile", str(pidfile),
+               *([] if self.reboot else ["-no-reboot"]), "-display", "none", "-monitor", "none", *serial,
+               "-pidfile", str(pidfile),
                *boot, *disk, *net]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)

@@ -441,3 +441,25 @@ def test_enabled_is_the_units_condition(gw: Gateway, tmp_path: Path) -> None:
     assert enabled('[update]\nmaintenance_window = "02:00-04:00"\n') == 1
     assert enabled("") == 1
     assert enabled('[update]\nmanifest_url = "http://u.example/m.json"\n') == 255
+
+
+def test_room_is_the_pull_rule_for_a_copied_bundle(gw: Gateway, tmp_path: Path) -> None:
+    """`update room BYTES` (what ansible/update.yml asks before it copies a bundle): the same rule as the pull,
+    exit 0 when the bytes fit beside the store's room and the reserve, 1 with the figures when they do not."""
+    free = os.statvfs(gw.root).f_bavail * os.statvfs(gw.root).f_frsize
+
+    def room(size: int, max_size: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / "room.toml"
+        path.write_text(f'[store]\npath = "{gw.root / "store"}"\nmax_size = "{max_size}"\n\n'
+                        '[update]\nreserve = "1MB"\n')
+        return subprocess.run([sys.executable, "-m", "gateway", "update", "room", str(size), "--dir", str(gw.root),
+                               "--config", str(path)], capture_output=True, text=True, timeout=30)
+
+    fits = room(4096, "16MB")
+    assert fits.returncode == 0, fits.stderr
+    assert fits.stdout.startswith("room: 4096 bytes to write + 16777216 bytes the store may still grow into")
+    # the store's room alone leaves no space for the bundle: refused, with the figures
+    crowded = room(4096, f"{free // 1024**2 + 100}MB")
+    assert crowded.returncode == 1, crowded.stderr
+    assert crowded.stdout.startswith("no room: 4096 bytes to write") and f"free in {gw.root}" in crowded.stdout
+    assert not gw.state.exists()  # asking writes nothing

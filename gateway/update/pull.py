@@ -211,18 +211,27 @@ def _device(path: Path) -> int:
     return -1
 
 
+def room_for(size: int, directory: Path, store_dir: Path, store_max_size: int, reserve: int) -> tuple[bool, str]:
+    """Whether ``size`` more bytes may be written into ``directory`` (the free-space rule,
+    :func:`plan.space_needed`): what is free to an unprivileged writer (the broker) must cover them, the room the
+    broker's store at ``store_dir`` may still grow into up to ``store_max_size`` bytes when it shares the file
+    system, and ``reserve`` bytes. Returns (fits, the figures as one sentence for the log)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    store_allocated = _allocated(store_dir / "data.mdb")
+    shares = _device(store_dir) == _device(directory)
+    needed = space_needed(size, store_max_size, store_allocated, reserve, shares)
+    store_room = max(0, store_max_size - store_allocated) if shares else 0
+    detail = (f"{size} bytes to write + {store_room} bytes the store may still grow into "
+              f"(max_size {store_max_size}, data.mdb holds {store_allocated}"
+              f"{'' if shares else '; on another file system, not counted'}) + reserve {reserve} = "
+              f"{needed} bytes needed, {free} free in {directory}")
+    return free >= needed, detail
+
+
 def _space_ok(settings_reserve: int, run: PullRun, download_dir: Path, manifest: Manifest, have: int) -> bool:
-    st = os.statvfs(download_dir)
-    free = st.f_bavail * st.f_frsize  # what an unprivileged writer (the broker) can still use
-    store_allocated = _allocated(run.store_dir / "data.mdb")
-    shares = _device(run.store_dir) == _device(download_dir)
-    needed = space_needed(manifest.size - have, run.store_max_size, store_allocated, settings_reserve, shares)
-    store_room = max(0, run.store_max_size - store_allocated) if shares else 0
-    detail = (f"{manifest.size - have} bytes to download + {store_room} bytes the store may still grow into "
-              f"(max_size {run.store_max_size}, data.mdb holds {store_allocated}"
-              f"{'' if shares else '; on another file system, not counted'}) + reserve {settings_reserve} = "
-              f"{needed} bytes needed, {free} free in {download_dir}")
-    if free < needed:
+    fits, detail = room_for(manifest.size - have, download_dir, run.store_dir, run.store_max_size, settings_reserve)
+    if not fits:
         log.error("not downloading version %s: too little free space: %s", manifest.version, detail)
         return False
     log.info("free space: %s", detail)

@@ -102,7 +102,9 @@ serve() {
 #                        INSTALLED FILE, or REFUSED FILE: rauc's error
 #   settings             SETTINGS gateway_id=<the broker's> boot=[settings files on the boot partition]
 #                        unit=<edge-gateway-settings.service's result> ssh=<ssh.service's state>
-#   reboot               systemctl reboot (qemu runs with -no-reboot: the test boots the disk again)
+#   reboot               systemctl reboot (qemu runs with -no-reboot: the test boots the disk again; a qemu
+#                        started to reboot in place, for a playbook's reboot, comes back by itself)
+#   poweroff             systemctl poweroff (ends the qemu run either way)
 slot_report() {
     slots=$(rauc status --output-format=json 2>/dev/null | python3 -c '
 import json, sys
@@ -136,6 +138,7 @@ commands() {
                 gid=$(sed -n 's/^[[:space:]]*gateway_id[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' "$cfg" | head -1)
                 say "SETTINGS gateway_id=$gid boot=[$(ls /boot/firmware | grep '^edge-gateway-settings' | tr '\n' ' ')] unit=$(systemctl show -p Result --value edge-gateway-settings.service) ssh=$(systemctl is-active ssh.service)" ;;
             reboot) say "REBOOTING"; systemctl reboot ;;
+            poweroff) say "POWERING OFF"; systemctl poweroff ;;
             *) say "UNKNOWN command $cmd" ;;
         esac
     done

@@ -5,7 +5,8 @@
 # boot's journal), firmware-bridge is active, and, when gateway.toml has an [[upstream]], a link connected once or
 # HEALTH_UPSTREAM_WAIT seconds passed (a cloud that is down must not roll back a good update). Then `rauc status
 # mark-good` (the boot counter starts again) and the slot's version is remembered as confirmed.
-# Not good within HEALTH_TIMEOUT seconds: on a slot whose version was never confirmed (the first boots after an
+# Not good within HEALTH_TIMEOUT seconds, or a service that gave up or restarted HEALTH_MAX_RESTARTS times without
+# coming up: on a slot whose version was never confirmed (the first boots after an
 # update) `rauc status mark-bad` and a reboot: GRUB then boots the other slot, the previous system. On a confirmed
 # slot a failure is not the update's fault: it is logged, and the slot is marked good all the same (a failing
 # service must not send a gateway back to an older system).
@@ -20,6 +21,7 @@ STATE=/var/lib/edge-gateway/update
 CONFIG=${EDGE_GATEWAY_CONFIG:-/etc/edge-gateway/gateway.toml}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-300}
 HEALTH_UPSTREAM_WAIT=${HEALTH_UPSTREAM_WAIT:-120}
+HEALTH_MAX_RESTARTS=${HEALTH_MAX_RESTARTS:-3}
 
 say() { echo "edge-gateway-health: $*"; }
 uptime_s() { cut -d. -f1 /proc/uptime; }
@@ -56,11 +58,26 @@ healthy() {
     fi
     return 0
 }
+# A unit that gave up (failed: StartLimitBurst reached) or keeps failing (HEALTH_MAX_RESTARTS automatic restarts
+# without becoming active) will not come up by waiting: the rollback starts then, not at HEALTH_TIMEOUT, so the
+# gateway is back on the previous system within a minute or two.
+gave_up() {
+    for unit in "$GW" "$BRIDGE"; do
+        state=$(systemctl show -p ActiveState --value "$unit")
+        restarts=$(systemctl show -p NRestarts --value "$unit")
+        if [ "$state" = failed ] || { [ "$state" != active ] && [ "${restarts:-0}" -ge "$HEALTH_MAX_RESTARTS" ]; }; then
+            why="$unit is $state after ${restarts:-0} automatic restarts"
+            return 0
+        fi
+    done
+    return 1
+}
 up_wait_until=$(( $(uptime_s) + HEALTH_UPSTREAM_WAIT ))
+waited=""
 until healthy; do
-    if [ "$(uptime_s)" -ge "$deadline" ]; then break; fi
-    # a unit that gave up restarting (StartLimitBurst) will not come up by waiting
-    if systemctl is-failed --quiet "$GW" || systemctl is-failed --quiet "$BRIDGE"; then break; fi
+    if [ "$(uptime_s)" -ge "$deadline" ]; then why="$why after ${HEALTH_TIMEOUT}s"; break; fi
+    if gave_up; then break; fi
+    if [ "$why" != "$waited" ]; then say "waiting: $why"; waited=$why; fi
     sleep 2
 done
 
@@ -131,7 +148,7 @@ if ! ls "$STATE"/confirmed-* 2>/dev/null | grep -qv "confirmed-$slot\$"; then
     mark good
     exit 1
 fi
-report rolling_back "not healthy after ${HEALTH_TIMEOUT}s: $why; marking slot $slot bad and rebooting"
+report rolling_back "not healthy: $why; marking slot $slot bad and rebooting"
 journalctl -b -u "$GW" -n 20 -o cat --no-pager 2>/dev/null | sed 's/^/edge-gateway-health:   /'
 mark bad
 sync
