@@ -39,9 +39,10 @@ IMAGE_BOOT_MB=256
 IMAGE_VERSION=${IMAGE_VERSION:-$(date -u +%Y.%m.%d.%H%M)-$(git -C "$ROOT_DIR" rev-parse --short HEAD 2>/dev/null || echo local)}
 # The MBR disk identifier: the partitions' PARTUUIDs (RAUC's slots, the kernel's root=) are DISKID-01 ... -04.
 DISKID=45474757
-# openssh-server and sudo: the operator access that per-board settings can switch on (role operator_access)
+# openssh-server and sudo: the operator access that per-board settings can switch on (role operator_access);
+# fdisk (sfdisk): the data partition grown to the end of the card at the first boot (image/data/grow-data.sh)
 PACKAGES=(systemd systemd-sysv udev kmod e2fsprogs python3 python3-venv python3-packaging python3-apt mosquitto-clients
-          initramfs-tools linux-image-"$ARCH" openssh-server sudo)
+          initramfs-tools linux-image-"$ARCH" openssh-server sudo fdisk)
 COMPONENTS=main
 case "$ARCH" in
     # GRUB for EFI (its modules and grub-editenv, which RAUC's grub backend runs) and RAUC for the A/B updates: the
