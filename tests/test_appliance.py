@@ -271,10 +271,11 @@ def _ansible_env(tmp: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("inventory", "playbook"), [("fleet", "site.yml"), ("image", "site.yml"),
-                                                     ("fleet", "board-settings.yml")])
+                                                     ("fleet", "board-settings.yml"), ("fleet", "update.yml")])
 def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str, playbook: str) -> None:
     """Issue 7: `ansible-playbook --syntax-check` of site.yml with the fleet inventory (SSH) and the image
-    inventory (chroot); board-settings.yml (per-board settings for boards that run the image) too."""
+    inventory (chroot); board-settings.yml (per-board settings for boards that run the image) and update.yml (the
+    rollout of an update bundle in batches) too."""
     proc = subprocess.run(
         [
             str(VENV_BIN / "ansible-playbook"),
