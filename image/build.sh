@@ -186,6 +186,8 @@ fi
 : > "$rootfs/etc/machine-id"
 rm -f "$rootfs/var/lib/dbus/machine-id"
 mkdir -p "$rootfs/boot/firmware" "$rootfs/var/lib/edge-gateway"
+# systemd-logind's StateDirectory: made here, as systemd cannot make it on the read-only root at boot
+install -d -m 0755 "$rootfs/var/lib/systemd/linger"
 if [ "$ARCH" = arm64 ]; then
     # raspi-firmware's own hooks (kernel upgrades on a board) write cmdline.txt with this root.
     printf 'ROOTPART=LABEL=eg-root\nCONSOLES="tty0 ttyS1,115200"\n' > "$rootfs/etc/default/raspi-firmware"
