@@ -52,13 +52,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = LmdbStore(StoreSettings(path=tmp))
         broker = Broker(BrokerSettings(sys_interval=0), store, now=time.time())
-        store.attach(loop)
+        waiters: list[asyncio.Future[None]] = []
+
+        def batch_done() -> None:
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
+            waiters.clear()
+
+        store.attach(loop, batch_done)
+        # The commit reports go back to the core, as the server's runner passes them (it emits the PUBACKs).
+        store.on_committed = lambda barrier: broker.committed(barrier, time.time())
+        store.on_failed = lambda barrier, full: broker.failed(barrier, full, time.time())
         limits = ZoneLimits(max_mqueue_len=0, message_expiry_interval=0)
 
         async def settle() -> None:
             while store.pending():
                 done = loop.create_future()
-                store.when_durable(lambda f=done: f.done() or f.set_result(None))
+                waiters.append(done)
                 await done
 
         def send(conn: Any, *packets: Any) -> None:

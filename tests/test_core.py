@@ -880,8 +880,12 @@ def test_mqtt_3_3_1_retained_messages_to_new_subscribers_are_the_current_ones_in
 
 
 def changelog_broker(now: float = 0.0) -> tuple[Broker, ChangeLog]:
+    """A broker on a :class:`ChangeLog`, whose commit reports go back to the broker as the I/O layer passes them."""
     store = ChangeLog()
-    return Broker(BrokerSettings(sys_interval=0), store, now=now), store
+    broker = Broker(BrokerSettings(sys_interval=0), store, now=now)
+    store.on_committed = lambda barrier: broker.committed(barrier, now)
+    store.on_failed = lambda barrier, full: broker.failed(barrier, full, now)
+    return broker, store
 
 
 def ops(changes: list[StoreChange]) -> list[tuple[str, str | None]]:
@@ -934,6 +938,35 @@ def test_design_4_a_failed_commit_refuses_the_publish_0x97_in_5_0_and_disconnect
     assert [(type(p), p.packet_id, p.reason_code) for p in pub5.read()] == [(PubAck, 3, RC.QUOTA_EXCEEDED)]
     assert pub4.read() == [] and pub4.conn.state == CLOSED  # 3.1.1 cannot refuse: no PUBACK, closed
     assert broker.stats.dropped["store_full"] == 2
+
+
+def test_a_barrier_with_no_change_of_its_own_is_acknowledged_in_order_after_the_failed_barriers_refusals() -> None:
+    """Commit barriers (gateway/broker/barriers.py): a QoS 1 PUBLISH to a persistent subscriber records a queue row
+    (its barrier owns changes); one to a topic nobody stores records nothing (its barrier waits only for the order
+    of acknowledgements). When the commit fails, the first is refused (0x97) and the second acknowledged right
+    after it, in order; in one input, a barrier after one with changes of its own owns changes too (refused)."""
+    broker, store = changelog_broker()
+    subscribed(broker, store, "sub", persistent=True).disconnect()
+    store.take()
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    pub.send(Publish("t", b"stored", qos=1, packet_id=1))
+    pub.send(Publish("nobody/listens", b"not stored", qos=1, packet_id=2))  # a later read: another input
+    both = Client(broker, 5)
+    both.connect("both")
+    both.send_bytes(Publish("t", b"stored", qos=1, packet_id=3).encode(5)
+                    + Publish("nobody/listens", b"not stored", qos=1, packet_id=4).encode(5))  # one input
+    assert ops(store.take()) == [("delivery_saved", "sub"), ("durable", None), ("durable", None),
+                                 ("delivery_saved", "sub"), ("durable", None), ("durable", None)]
+    assert pub.read() == [] and both.read() == []
+    assert store.fail(full=True) == 4
+    refused_then_acknowledged = [(1, RC.QUOTA_EXCEEDED), (2, RC.NO_MATCHING_SUBSCRIBERS)]
+    assert [(p.packet_id, p.reason_code) for p in pub.read()] == refused_then_acknowledged
+    assert [(p.packet_id, p.reason_code) for p in both.read()] == [(3, RC.QUOTA_EXCEEDED), (4, RC.QUOTA_EXCEEDED)]
+    assert broker.stats.dropped["store_full"] == 3 and not broker.held_acks
+    pub.send(Publish("nobody/listens", b"now", qos=1, packet_id=5))
+    assert store.commit() == 1
+    assert [(p.packet_id, p.reason_code) for p in pub.read()] == [(5, RC.NO_MATCHING_SUBSCRIBERS)]
 
 
 def test_design_4_a_full_store_refuses_new_work_at_once_and_keeps_qos0_flowing() -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from gateway import __version__
 from gateway.broker import (
     access_decisions,
+    commits,
     connect,
     delivery,
     inbound,
@@ -143,6 +144,7 @@ class Broker(BrokerState):
         if conn.state == CLOSED:
             return
         conn.last_rx = now
+        self.input_owns = False
         self.stats.bytes_received += len(data)
         if conn.deferred is not None:  # max_publish_rate: a PUBLISH waits for its token (one comparison a read)
             waiting = self._deferred(conn, data, now)
@@ -284,6 +286,7 @@ class Broker(BrokerState):
 
     def tick(self, now: float) -> None:
         """Run every deadline that has passed (:mod:`gateway.broker.timers`) and the ``$SYS`` updates."""
+        self.input_owns = False
         timers.run(self, now)
         if self.held:
             self._release_held(now)
@@ -327,6 +330,17 @@ class Broker(BrokerState):
             session_lifecycle.close(self, conn, now, publish_will=False)
 
     # ------------------------------------------------------------------------------------------ from the store
+
+    def committed(self, barrier: int, now: float) -> None:
+        """The store committed everything recorded before commit barrier ``barrier`` (and so every earlier barrier):
+        the acknowledgements held under them are emitted, in order (:mod:`gateway.broker.commits`)."""
+        commits.committed(self, barrier, now)
+
+    def failed(self, barrier: int, full: bool, now: float) -> None:
+        """The commit holding barrier ``barrier`` (and the earlier ones not yet reported) failed; ``full``: for lack
+        of room (MQTT 5 publishers get 0x97 Quota exceeded, else 0x80). What owns changes in it is refused, the
+        rest acknowledged in order (:mod:`gateway.broker.barriers`)."""
+        commits.failed(self, barrier, full, now)
 
     def store_change_failed(self, client_ids: set[str], now: float) -> None:
         """The store left changes of these clients out of a commit because they failed on their own (the rest of

@@ -5,8 +5,7 @@ everything it caused is durable (DESIGN.md §4): PUBACK for QoS 1, PUBREC for Qo
 
 from __future__ import annotations
 
-from functools import partial
-
+from gateway.broker.barriers import Ack, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
@@ -50,8 +49,8 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
 
     Output: the :class:`~gateway.broker.message.Message` routed (:func:`gateway.broker.router.publish`), for QoS 2
     kept under its Packet Identifier until PUBREL instead (:mod:`gateway.broker.qos2`); PUBACK / PUBREC (5.0:
-    0x10 No matching subscribers when nobody took it) once what the message caused is durable
-    (``store.when_durable``, DESIGN.md §4), or 0x97 / a disconnect when that commit fails. Errors:
+    0x10 No matching subscribers when nobody took it) once what the message caused is durable (held under a
+    commit barrier, :mod:`gateway.broker.barriers`), or 0x97 / a disconnect when that commit fails. Errors:
     :class:`~gateway.mqtt.errors.ProtocolError` (the caller closes the connection with its Reason Code).
     """
     session = conn.session
@@ -159,12 +158,13 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         publish(core, message, now)
     elif qos == 1:
         matched = publish(core, message, now)
-        conn.inbound_pending += 1
         reason = 0 if matched else PUBACK_NO_MATCHING[conn.version]
-        committed = partial(_qos1_committed, core, conn, p, reason, now)
-        core.store.when_durable(committed, committed)
+        if hold(core, Ack.PUBACK, conn, p, reason):
+            puback(core, conn, p, reason)  # nothing to wait for (a memory store)
+        else:
+            conn.inbound_pending += 1
     else:
-        received(core, conn, session, pid, message, now, partial(_failed, core, conn, p, now))  # type: ignore[arg-type]
+        received(core, conn, session, p, message, now)
 
 
 def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> None:
@@ -191,12 +191,13 @@ def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: f
     raise ReadPaused(p)
 
 
-def _failed(
-    core: BrokerState, conn: Connection, p: Publish, now: float, entry: tuple[Message, float] | None, full: bool
+def refused(
+    core: BrokerState, conn: Connection, p: Publish, entry: tuple[Message, float] | None, full: bool, now: float
 ) -> None:
-    """The store could not commit what a QoS 1/2 PUBLISH caused (``when_durable``'s ``on_failure``; ``full``:
-    for lack of room): refuse it instead of leaving the publisher waiting (DESIGN.md §4). The Receive Maximum
-    count is given back, and a QoS 2 identifier is released so that the client's retry is taken as new."""
+    """The store could not commit what a QoS 1/2 PUBLISH caused (its barrier failed; ``full``: for lack of room):
+    refuse it instead of leaving the publisher waiting (docs/architecture.md, "The durability contract"). The
+    Receive Maximum count is given back, and a QoS 2 identifier (held as ``entry``) is released so that the
+    client's retry is taken as new."""
     if p.qos == 1:
         conn.inbound_pending -= 1
     elif conn.session is not None and conn.session.awaiting_rel.get(p.packet_id) is entry:  # type: ignore[arg-type]
@@ -254,23 +255,18 @@ def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: st
         send(core, conn, PubRec(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
 
 
-def _qos1_committed(
-    core: BrokerState, conn: Connection, p: Publish, reason: int, now: float, full: bool | None = None
-) -> None:
-    """The commit a QoS 1 PUBLISH waited for, as ``when_durable``'s callback and its ``on_failure`` both (one
-    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish).
-
-    Called without ``full``: the work is durable, PUBACK with ``reason`` (DESIGN.md §4); the common one (reason 0,
-    MQTT 5.0 §3.4.2.1: then the Reason Code may be left out) as its 4 bytes
-    (:func:`~gateway.broker.output.send_ack`). Called with ``full`` (the commit failed; True: for lack of room):
-    refused as :func:`_failed` says."""
-    if full is not None:
-        _failed(core, conn, p, now, None, full)
-        return
-    conn.inbound_pending -= 1
+def puback(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None:
+    """PUBACK a QoS 1 PUBLISH whose work is durable, with ``reason``; the common one (0, MQTT 5.0 §3.4.2.1: then the
+    Reason Code may be left out) as its 4 bytes (:func:`~gateway.broker.output.send_ack`)."""
     if conn.state != CONNECTED:
         return
     if reason:
         send(core, conn, PubAck(p.packet_id, reason))  # type: ignore[arg-type]
     else:
         send_ack(core, conn, PUBACK_BYTE, p.packet_id)  # type: ignore[arg-type]
+
+
+def puback_committed(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None:
+    """The barrier a QoS 1 PUBLISH's PUBACK was held under is committed: PUBACK it (:func:`puback`)."""
+    conn.inbound_pending -= 1
+    puback(core, conn, p, reason)

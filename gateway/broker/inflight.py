@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from gateway.broker.barriers import Ack, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import AWAIT_COMP, Delivery
 from gateway.broker.output import PUBREL_BYTE, send, send_ack, write_publish
@@ -45,16 +46,12 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
     inflight[pid] = delivery
     if session.persistent:
         core.store.delivery_saved(session.client_id, delivery)  # in flight, to re-send with DUP=1
-        if delivery.qos == 2 or session.held_sends:
-            # QoS 2 waits for that record; anything behind a held send waits too (FIFO, seed 000). A QoS 1
-            # PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows.
+        # QoS 2 waits for that record; anything behind a held send waits too (the window delivers in order). A
+        # QoS 1 PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows. Also sent
+        # when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is only that a
+        # crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
+        if (delivery.qos == 2 or session.held_sends) and not hold(core, Ack.SEND, conn, session, delivery):
             session.held_sends += 1
-            # Also sent when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is
-            # only that a crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
-            core.store.when_durable(
-                lambda: _send_durable(core, session, conn, delivery, now),
-                lambda _full: _send_durable(core, session, conn, delivery, now),
-            )
             return
     if not write_publish(
         core, conn, delivery.message, delivery.qos, delivery.retain, pid, False, delivery.sub_ids, now
@@ -62,7 +59,9 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
         finish(core, session, delivery)
 
 
-def _send_durable(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+def send_held(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    """A PUBLISH held until its Packet Identifier was recorded (:func:`send_new`): send it now, if it is still in
+    the window of this connection."""
     session.held_sends -= 1
     if conn.state != CONNECTED or session.inflight.get(delivery.packet_id) is not delivery:
         return
@@ -72,7 +71,8 @@ def _send_durable(core: BrokerState, session: Session, conn: Connection, deliver
         finish(core, session, delivery)
 
 
-def _send_held_qos0(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+def send_held_qos0(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    """A QoS 0 PUBLISH queued behind a held send (:func:`pump`): send it now."""
     session.held_sends -= 1
     if conn.state == CONNECTED:
         write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
@@ -101,12 +101,11 @@ def pump(core: BrokerState, session: Session, now: float) -> None:
             continue
         if delivery.qos == 0:
             if persistent and session.held_sends:
-                # Behind a QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
-                session.held_sends += 1
-                store.when_durable(
-                    lambda d=delivery: _send_held_qos0(core, session, conn, d, now),
-                    lambda _full, d=delivery: _send_held_qos0(core, session, conn, d, now),
-                )
+                # Behind a QoS 2 PUBLISH still waiting for its commit (the window delivers in order).
+                if hold(core, Ack.SEND_QOS0, conn, session, delivery):
+                    write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
+                else:
+                    session.held_sends += 1
                 store.delivery_deleted(session.client_id, delivery)
             elif persistent:
                 write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
@@ -266,6 +265,6 @@ def pubrec(core: BrokerState, conn: Connection, pid: int, reason: int, now: floa
             # PUBREC received must be durable before PUBREL goes out: after a crash the broker then
             # re-sends PUBREL, never the PUBLISH (exactly once, MQTT 5.0 §4.3.3).
             core.store.delivery_saved(session.client_id, delivery)
-            core.store.when_durable(lambda: send_ack(core, conn, PUBREL_BYTE, pid) if conn.state == CONNECTED else None)
-            return
+            if not hold(core, Ack.PUBREL, conn, pid):
+                return
     send_ack(core, conn, PUBREL_BYTE, pid)

@@ -124,10 +124,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         lmdb_store.on_queue_rows_lost = broker.queue_rows_lost  # entries whose rows a commit did not write
 
         def change_failed(client_ids: set[str]) -> None:
-            broker.store_change_failed(client_ids, time.time())  # before that commit's acknowledgements run
+            broker.store_change_failed(client_ids, time.time())  # before that commit's barrier is reported
             io.schedule_flush()
 
+        # The commit reports, as inputs of the core: it emits the acknowledgements held under the barriers.
         lmdb_store.on_change_failed = change_failed
+        lmdb_store.on_committed = lambda barrier: broker.committed(barrier, time.time())
+        lmdb_store.on_failed = lambda barrier, full: broker.failed(barrier, full, time.time())
     upstream: UpstreamBridge | None = None
     if config.upstreams:
         # Imported only when configured: aiomqtt and paho cost ~2 MiB of RSS on a broker without uplinks.
