@@ -15,8 +15,8 @@ acknowledgements of the Inflight Window in :mod:`~gateway.broker.inflight`, SUBS
 :mod:`~gateway.broker.delivery`, sessions and Wills in :mod:`~gateway.broker.session_lifecycle`, deadlines in
 :mod:`~gateway.broker.timers`, what each protocol level may answer in :mod:`~gateway.broker.reasons`.
 
-Sources: MQTT 3.1.1 and 5.0 (OASIS), seeds 000-004 (Inflight Window, Message Queue, QoS flows, offline
-messages), DESIGN.md §3.
+Sources: MQTT 3.1.1 and 5.0 (OASIS); the Inflight Window, Message Queue, QoS flows and offline messages as
+docs/architecture.md's "Session semantics" gives them.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ class Broker(BrokerState):
     def store_change_failed(self, client_ids: set[str], now: float) -> None:
         """The store left changes of these clients out of a commit because they failed on their own (the rest of
         the batch was committed; ``LmdbStore.on_change_failed``). Their connections are closed before that
-        commit's acknowledgements run, so nothing of theirs that was not written is acknowledged (DESIGN.md §4):
+        commit's acknowledgements run, so nothing of theirs that was not written is acknowledged:
         MQTT 5 DISCONNECT 0x80 Unspecified error with a Reason String (MQTT 5.0 §3.14.2.1), 3.1.1 just closed."""
         for client_id in client_ids:
             session = self.sessions.get(client_id)

@@ -1,5 +1,5 @@
 """CONNECT (MQTT 5.0 §3.1, §3.2; MQTT 3.1.1 §3.1): checks and refusals, session take-over [MQTT-3.1.4-2],
-Clean Start [MQTT-3.1.2-4], resuming a persistent session (seed 004), the negotiated limits (Keep Alive, Receive
+Clean Start [MQTT-3.1.2-4], resuming a persistent session (MQTT 5.0 §4.1), the negotiated limits (Keep Alive, Receive
 Maximum capping the Inflight Window, Maximum Packet Size, Topic Aliases), the CONNACK, and the re-send of the
 Inflight Window with DUP=1 [MQTT-4.4.0-1]."""
 

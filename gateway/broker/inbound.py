@@ -1,6 +1,7 @@
 """A client's PUBLISH (MQTT 5.0 §3.3): Topic Aliases, the checks that refuse it (Receive Maximum, payload format,
 ``$SYS``, ``max_topic_levels``, a full store), the Application Message made once, routed, and acknowledged once
-everything it caused is durable (DESIGN.md §4): PUBACK for QoS 1, PUBREC for QoS 2 (:mod:`gateway.broker.qos2`).
+everything it caused is durable (docs/architecture.md, "The durability contract"): PUBACK for QoS 1, PUBREC for
+QoS 2 (:mod:`gateway.broker.qos2`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def refused(
 
 
 def refuse_unstored(core: BrokerState, conn: Connection, p: Publish, full: bool, now: float) -> None:
-    """Refuse a QoS 1/2 PUBLISH that cannot be made durable (DESIGN.md §4): MQTT 5 PUBACK/PUBREC 0x97 Quota
+    """Refuse a QoS 1/2 PUBLISH that cannot be made durable: MQTT 5 PUBACK/PUBREC 0x97 Quota
     exceeded when the store or its disk is full (else 0x80 Unspecified error, MQTT 5.0 §3.4.2.1); 3.1.1 has no
     way to refuse, so the publisher is not acknowledged and is disconnected. Counted per message in
     ``$SYS/broker/messages/dropped/store_full`` (``store_error``); logged at most once a minute per client

@@ -1,4 +1,5 @@
-"""The Inflight Window (seeds 000-002): QoS 1/2 messages sent to a client and not yet acknowledged.
+"""The Inflight Window: QoS 1/2 messages sent to a client and not yet acknowledged (docs/architecture.md,
+"Session semantics").
 
 Its length is ``Connection.window``: ``max_inflight`` capped by an MQTT 5 client's Receive Maximum
 (:meth:`~gateway.broker.limits.ZoneLimits.window`). A message enters with a fresh Packet Identifier
@@ -34,7 +35,7 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
 
     For a persistent session the Packet Identifier is recorded first; a QoS 2 PUBLISH goes out only once
     that is durable, so that after a crash the same identifier is re-sent and the receiver can recognise
-    the duplicate (exactly once end to end, DESIGN.md §4)."""
+    the duplicate (exactly once end to end)."""
     inflight = session.inflight
     pid = session.next_packet_id
     if pid in inflight:
@@ -79,7 +80,7 @@ def send_held_qos0(core: BrokerState, session: Session, conn: Connection, delive
 
 
 def pump(core: BrokerState, session: Session, now: float) -> None:
-    """Move queued messages into the Inflight Window while it has room, FIFO (seed 000). Deliveries of the
+    """Move queued messages into the Inflight Window while it has room, FIFO. Deliveries of the
     window not yet re-sent on this connection (:attr:`Session.unsent`) go first, so that no more than the
     window's length is ever unacknowledged on the connection [MQTT-3.3.4-9]."""
     conn = session.conn
@@ -196,7 +197,7 @@ def on_completion(core: BrokerState, conn: Connection, p: PubAck | PubComp, now:
 
 def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
     """A part of a run of plain PUBACKs (Reason Code 0) read in one go (at most :data:`ACK_RUN_PART`): each
-    ends its QoS 1 delivery as :func:`on_completion` does, then the window is refilled once (FIFO, seed 000)."""
+    ends its QoS 1 delivery as :func:`on_completion` does, then the window is refilled once (FIFO)."""
     conn.last_ack_at = now
     session = conn.session
     assert session is not None
@@ -216,7 +217,7 @@ def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float)
 
 def on_pubcomps(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
     """A run of plain PUBCOMPs read in one go (``PacketReader.leading_acks``): each ends its QoS 2 delivery as
-    :func:`on_completion` does, then the window is refilled once (FIFO, seed 000)."""
+    :func:`on_completion` does, then the window is refilled once (FIFO)."""
     conn.last_ack_at = now
     session = conn.session
     assert session is not None

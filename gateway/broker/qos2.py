@@ -1,4 +1,4 @@
-"""The QoS 2 receiver (seed 003, "method B"; MQTT 5.0 §4.3.3): the broker keeps an inbound QoS 2 message and
+"""The QoS 2 receiver ("method B" of MQTT 5.0 §4.3.3): the broker keeps an inbound QoS 2 message and
 its Packet Identifier, answers PUBREC once that is durable, treats a repeat of the identifier as a duplicate
 (PUBREC again, no second copy), routes the message onward on PUBREL, then forgets the identifier and sends
 PUBCOMP; a PUBREL for an identifier it does not know still gets PUBCOMP (5.0: 0x92). ``max_awaiting_rel`` bounds

@@ -3,7 +3,7 @@ protocol state (Keep Alive, Topic Aliases, limits negotiated in CONNECT/CONNACK)
 
 A :class:`Session` outlives its :class:`Connection` when it is persistent (Clean Session = 0 / Session Expiry
 Interval > 0); it holds the Inflight Window (in memory), the Message Queue, inbound QoS 2 state and the
-subscriptions (seeds 000-004).
+subscriptions (docs/architecture.md, "Session semantics").
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Session:
         inflight: Inflight Window, Packet Identifier -> Delivery, in send order (in memory; rebuilt from the
             store on start).
         mqueue: the Message Queue.
-        awaiting_rel: inbound QoS 2 messages received and PUBRECed, awaiting PUBREL (seed 003), with arrival
+        awaiting_rel: inbound QoS 2 messages received and PUBRECed, awaiting PUBREL (MQTT 5.0 §4.3.3), with arrival
             times for ``await_rel_timeout``.
         expires_at: wall-clock seconds when an offline session ends, else ``None``.
         will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.

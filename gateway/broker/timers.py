@@ -1,7 +1,7 @@
 """Deadlines, run by :meth:`Broker.tick` about once a second with the time given: CONNECT timeout, Keep Alive
 (1.5x, [MQTT-3.1.2-24] 3.1.1 / [MQTT-3.1.2-22] 5.0), ``send_timeout``, the 3.1.1 ``retry_interval``,
 ``await_rel_timeout``, congestion that ends, delayed Wills, session expiry, and every few seconds the sweep of
-expired offline messages and retained messages (seed 004)."""
+expired offline messages and retained messages [MQTT-3.3.2-5]."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def run(core: BrokerState, now: float) -> None:
     for session in list(core.congested):
         if session.conn is None or now - session.conn.last_ack_at >= STALLED_AFTER:
             # A consumer that stopped acknowledging does not hold publishers back: its queue fills and
-            # drops by the Message Queue policy instead (seed 000).
+            # drops by the Message Queue policy instead.
             core.congested.discard(session)
     expire(core, now)
     if now >= core.next_sweep:

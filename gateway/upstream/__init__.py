@@ -1,4 +1,4 @@
-"""Upstream store-and-forward to cloud MQTT brokers (DESIGN.md §5, docs/upstream.md).
+"""Upstream store-and-forward to cloud MQTT brokers (docs/upstream.md).
 
 :class:`UpstreamBridge` owns one :class:`~gateway.upstream.link.UpstreamLink` per ``[[upstream]]`` entry; the
 runner attaches it to the broker before the listeners open and stops it before the store closes. Each link is the

@@ -5,7 +5,7 @@ module connects to the cloud broker with backoff and jitter, subscribes for the 
 events and performs what it returns, publishes the link's ``$SYS`` values, and reads the clock (:func:`_now`, the
 one place).
 
-Life of a forwarded message (DESIGN.md §5, docs/upstream.md):
+Life of a forwarded message (docs/upstream.md):
 
 1. :meth:`UpstreamLink.forward` runs inside ``gateway.broker.router.publish`` (``Broker.forwarders``), before the local
    publisher's PUBACK/PUBCOMP is registered: :meth:`Outbox.offer` records a QoS 1/2 message (or QoS 0 with
