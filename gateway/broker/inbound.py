@@ -6,6 +6,8 @@ QoS 2 (:mod:`gateway.broker.qos2`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.broker.barriers import Ack, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
@@ -47,6 +49,8 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     Response Topic [MQTT-3.3.2-14], Receive Maximum (one QoS 1/2 PUBLISH too many: DISCONNECT 0x93
     [MQTT-3.3.4-7]), ``$SYS`` and the write ACL (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` /
     ``max_topic_length`` (0x90), store room for persistent work (0x97; 3.1.1: no acknowledgement, disconnect).
+    The steps: :func:`spend_publish_token`, :func:`_topic_alias_and_properties` (5.0 with properties),
+    :func:`_refused`, :func:`_retain` (RETAIN=1), then the Message routed and acknowledged per QoS.
 
     Output: the :class:`~gateway.broker.message.Message` routed (:func:`gateway.broker.router.publish`), for QoS 2
     kept under its Packet Identifier until PUBREL instead (:mod:`gateway.broker.qos2`); PUBACK / PUBREC (5.0:
@@ -64,29 +68,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     props = p.properties
     v5 = conn.version == MQTT_5
     if v5 and props:
-        alias = props.get(P.TOPIC_ALIAS)
-        if alias is not None:
-            if alias > limits.topic_alias_maximum:
-                raise MQTTError(
-                    RC.TOPIC_ALIAS_INVALID,
-                    f"Topic Alias {alias} above the Topic Alias Maximum "
-                    f"{limits.topic_alias_maximum} [MQTT-3.3.2-9]",
-                )
-            if topic:
-                aliases_in_for_write(conn)[alias] = topic
-            else:
-                known = conn.aliases_in.get(alias)
-                if known is None:
-                    raise ProtocolError(f"Topic Alias {alias} used before it was set (MQTT 5.0 §3.3.2.3.4)")
-                topic = known
-        if P.SUBSCRIPTION_IDENTIFIER in props:
-            raise ProtocolError("a PUBLISH from a Client must not carry a Subscription Identifier [MQTT-3.3.4-6]")
-        if alias is not None:
-            props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
-        response_topic = props.get(P.RESPONSE_TOPIC)
-        # One pass, as before: topic_name_error holds the MQTT-4.7.3-1 rule too (no second call per message).
-        if response_topic is not None and (bad := topic_name_error(response_topic)):
-            raise ProtocolError(f"Response Topic {response_topic!r}: {bad} [MQTT-3.3.2-14]")
+        topic, props = _topic_alias_and_properties(conn, topic, props)
     if not topic:
         require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
     qos = p.qos
@@ -104,42 +86,14 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             f"more than Receive Maximum ({limits.max_awaiting_rel}) QoS 1/2 PUBLISH "
             "awaiting acknowledgement [MQTT-3.3.4-7]",
         )
-    if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
-        reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
+    if _refused(core, conn, p, topic, v5, props):
         return
-    acl = session.acl  # None without an acl_file: one comparison, nothing else
-    if acl is not None and not acl.may_publish(topic):
-        # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
-        # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
-        reject(core, conn, p, RC.NOT_AUTHORIZED, "not allowed by the acl_file", counter="acl_denied")
-        return
-    if topic[0] == "$" and (topic == "$SYS" or topic.startswith("$SYS/")):
-        reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
-        return
-    max_levels = limits.max_topic_levels
-    max_len = limits.max_topic_length
-    # Pre-filter so the common topic costs two comparisons; topic_limit_error decides (as for SUBSCRIBE, Wills).
-    if (max_levels and topic.count("/") >= max_levels) or (max_len and 4 * len(topic) > max_len):
-        limited = topic_limit_error(topic, limits)
-        if limited is not None:
-            reject(core, conn, p, RC.TOPIC_NAME_INVALID, limited[1], counter=limited[0])
-            return
     retain = p.retain
     if retain:
-        if not core.settings.retain_available:
-            raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
-        settings = core.settings
-        limit = core.retained.refusal(topic, p.payload, settings.max_retained_messages, settings.max_retained_bytes)
-        if limit is not None:
-            text = f"{limit} = {getattr(settings, limit)} reached"
-            if qos and v5:
-                reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
-                return
-            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained.
-            retain = False
-            core.stats.refused[limit] += 1
-            core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
-                              conn.peer, conn.client_id, topic[:200], text)
+        kept = _retain(core, conn, p, topic, v5, now)
+        if kept is None:
+            return  # refused
+        retain = kept
     if qos and not core.store.has_room(conn.client_id):
         refuse_unstored(core, conn, p, True, now)
         return
@@ -166,6 +120,86 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             conn.inbound_pending += 1
     else:
         received(core, conn, session, p, message, now)
+
+
+def _topic_alias_and_properties(conn: Connection, topic: str, props: dict[int, Any]) -> tuple[str, dict[int, Any]]:
+    """A 5.0 PUBLISH's Topic Alias and properties: the alias set or resolved, per connection (beyond the Topic
+    Alias Maximum [MQTT-3.3.2-9]: 0x94; used before it was set: Protocol Error), no Subscription Identifier from a
+    client [MQTT-3.3.4-6], the Response Topic [MQTT-3.3.2-14]. Returns the Topic Name and the properties to carry
+    on (without the alias)."""
+    limits = conn.limits
+    alias = props.get(P.TOPIC_ALIAS)
+    if alias is not None:
+        if alias > limits.topic_alias_maximum:
+            raise MQTTError(
+                RC.TOPIC_ALIAS_INVALID,
+                f"Topic Alias {alias} above the Topic Alias Maximum {limits.topic_alias_maximum} [MQTT-3.3.2-9]",
+            )
+        if topic:
+            aliases_in_for_write(conn)[alias] = topic
+        else:
+            known = conn.aliases_in.get(alias)
+            if known is None:
+                raise ProtocolError(f"Topic Alias {alias} used before it was set (MQTT 5.0 §3.3.2.3.4)")
+            topic = known
+    if P.SUBSCRIPTION_IDENTIFIER in props:
+        raise ProtocolError("a PUBLISH from a Client must not carry a Subscription Identifier [MQTT-3.3.4-6]")
+    if alias is not None:
+        props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
+    response_topic = props.get(P.RESPONSE_TOPIC)
+    # One pass: topic_name_error holds the MQTT-4.7.3-1 rule too (no second call per message).
+    if response_topic is not None and (bad := topic_name_error(response_topic)):
+        raise ProtocolError(f"Response Topic {response_topic!r}: {bad} [MQTT-3.3.2-14]")
+    return topic, props
+
+
+def _refused(core: BrokerState, conn: Connection, p: Publish, topic: str, v5: bool, props: dict[int, Any]) -> bool:
+    """The checks that refuse one PUBLISH and keep the connection: the Payload Format Indicator (0x99), the write
+    ACL and ``$SYS`` (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` / ``max_topic_length`` (0x90). True
+    when refused (:func:`reject`)."""
+    if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
+        reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
+        return True
+    acl = conn.session.acl  # type: ignore[union-attr]  # None without an acl_file: one comparison, nothing else
+    if acl is not None and not acl.may_publish(topic):
+        # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
+        # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
+        reject(core, conn, p, RC.NOT_AUTHORIZED, "not allowed by the acl_file", counter="acl_denied")
+        return True
+    if topic[0] == "$" and (topic == "$SYS" or topic.startswith("$SYS/")):
+        reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
+        return True
+    limits = conn.limits
+    max_levels = limits.max_topic_levels
+    max_len = limits.max_topic_length
+    # Pre-filter so the common topic costs two comparisons; topic_limit_error decides (as for SUBSCRIBE, Wills).
+    if (max_levels and topic.count("/") >= max_levels) or (max_len and 4 * len(topic) > max_len):
+        limited = topic_limit_error(topic, limits)
+        if limited is not None:
+            reject(core, conn, p, RC.TOPIC_NAME_INVALID, limited[1], counter=limited[0])
+            return True
+    return False
+
+
+def _retain(core: BrokerState, conn: Connection, p: Publish, topic: str, v5: bool, now: float) -> bool | None:
+    """Whether a PUBLISH with RETAIN=1 is retained: Retain Available (else 0x9A, a Protocol Error of the client),
+    ``max_retained_messages`` / ``max_retained_bytes``: past them a 5.0 QoS 1/2 PUBLISH is refused (0x97, None),
+    any other is delivered but not retained (False)."""
+    settings = core.settings
+    if not settings.retain_available:
+        raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
+    limit = core.retained.refusal(topic, p.payload, settings.max_retained_messages, settings.max_retained_bytes)
+    if limit is None:
+        return True
+    text = f"{limit} = {getattr(settings, limit)} reached"
+    if p.qos and v5:
+        reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
+        return None
+    # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained.
+    core.stats.refused[limit] += 1
+    core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
+                      conn.peer, conn.client_id, topic[:200], text)
+    return False
 
 
 def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> None:
