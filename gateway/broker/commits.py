@@ -12,7 +12,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.broker.barriers import Ack
+from gateway.broker.barriers import (
+    ACK_PUBACK,
+    ACK_PUBCOMP,
+    ACK_PUBREC,
+    ACK_PUBREC_AGAIN,
+    ACK_PUBREL,
+    ACK_SEND,
+    ACK_SEND_QOS0,
+    ACK_SUBACK,
+    ACK_UNSUBACK,
+    Ack,
+)
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.inbound import puback_committed, refused
 from gateway.broker.inflight import send_held, send_held_qos0
@@ -55,23 +66,25 @@ def failed(core: BrokerState, barrier: int, full: bool, now: float) -> None:
 
 def _emit(core: BrokerState, ack: int, conn: Connection, a: Any, b: Any, now: float) -> None:
     """What a held record emits once its work is durable (or it owns nothing of a failed commit)."""
-    if ack == Ack.PUBACK:
+    if ack == ACK_PUBACK:
         puback_committed(core, conn, a, b)
-    elif ack == Ack.SEND:
+    elif ack == ACK_SEND:
         send_held(core, a, conn, b, now)
-    elif ack == Ack.PUBREC or ack == Ack.PUBREC_AGAIN:
-        pubrec(core, conn, a.packet_id if ack == Ack.PUBREC else a)
-    elif ack == Ack.PUBCOMP:
+    elif ack == ACK_PUBREC:
+        pubrec(core, conn, a.packet_id)
+    elif ack == ACK_PUBREC_AGAIN:
+        pubrec(core, conn, a)
+    elif ack == ACK_PUBCOMP:
         pubcomp(core, conn, a, b)
-    elif ack == Ack.PUBREL:
+    elif ack == ACK_PUBREL:
         if conn.state == CONNECTED:
             send_ack(core, conn, PUBREL_BYTE, a)
-    elif ack == Ack.SUBACK:
+    elif ack == ACK_SUBACK:
         subscribed(core, conn, a, b, now)
-    elif ack == Ack.UNSUBACK:
+    elif ack == ACK_UNSUBACK:
         if conn.state == CONNECTED:
             send(core, conn, a)
-    elif ack == Ack.SEND_QOS0:
+    elif ack == ACK_SEND_QOS0:
         send_held_qos0(core, a, conn, b, now)
 
 
@@ -79,11 +92,11 @@ def _refuse(core: BrokerState, ack: int, conn: Connection, a: Any, b: Any, full:
     """What a held record that owns changes of a failed commit emits: the PUBLISH refused, or its send made anyway
     (the subscriber is served; only a crash before the next commit could re-send it under a new identifier), or
     nothing (the client repeats the packet)."""
-    if ack == Ack.PUBACK:
+    if ack == ACK_PUBACK:
         refused(core, conn, a, None, full, now)
-    elif ack == Ack.PUBREC:
+    elif ack == ACK_PUBREC:
         refused(core, conn, a, b, full, now)
-    elif ack == Ack.SEND:
+    elif ack == ACK_SEND:
         send_held(core, a, conn, b, now)
-    elif ack == Ack.SEND_QOS0:
+    elif ack == ACK_SEND_QOS0:
         send_held_qos0(core, a, conn, b, now)

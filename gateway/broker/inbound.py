@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.broker.barriers import Ack, hold
+from gateway.broker.barriers import ACK_PUBACK, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
@@ -114,7 +114,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     elif qos == 1:
         matched = publish(core, message, now)
         reason = 0 if matched else PUBACK_NO_MATCHING[conn.version]
-        if hold(core, Ack.PUBACK, conn, p, reason):
+        if hold(core, ACK_PUBACK, conn, p, reason):
             puback(core, conn, p, reason)  # nothing to wait for (a memory store)
         else:
             conn.inbound_pending += 1

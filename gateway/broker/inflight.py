@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from gateway.broker.barriers import Ack, hold
+from gateway.broker.barriers import ACK_PUBREL, ACK_SEND, ACK_SEND_QOS0, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import AWAIT_COMP, Delivery
 from gateway.broker.output import PUBREL_BYTE, send, send_ack, write_publish
@@ -51,7 +51,7 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
         # QoS 1 PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows. Also sent
         # when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is only that a
         # crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
-        if (delivery.qos == 2 or session.held_sends) and not hold(core, Ack.SEND, conn, session, delivery):
+        if (delivery.qos == 2 or session.held_sends) and not hold(core, ACK_SEND, conn, session, delivery):
             session.held_sends += 1
             return
     if not write_publish(
@@ -103,7 +103,7 @@ def pump(core: BrokerState, session: Session, now: float) -> None:
         if delivery.qos == 0:
             if persistent and session.held_sends:
                 # Behind a QoS 2 PUBLISH still waiting for its commit (the window delivers in order).
-                if hold(core, Ack.SEND_QOS0, conn, session, delivery):
+                if hold(core, ACK_SEND_QOS0, conn, session, delivery):
                     write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
                 else:
                     session.held_sends += 1
@@ -266,6 +266,6 @@ def pubrec(core: BrokerState, conn: Connection, pid: int, reason: int, now: floa
             # PUBREC received must be durable before PUBREL goes out: after a crash the broker then
             # re-sends PUBREL, never the PUBLISH (exactly once, MQTT 5.0 §4.3.3).
             core.store.delivery_saved(session.client_id, delivery)
-            if not hold(core, Ack.PUBREL, conn, pid):
+            if not hold(core, ACK_PUBREL, conn, pid):
                 return
     send_ack(core, conn, PUBREL_BYTE, pid)

@@ -8,7 +8,7 @@ their age.
 
 from __future__ import annotations
 
-from gateway.broker.barriers import Ack, hold
+from gateway.broker.barriers import ACK_PUBCOMP, ACK_PUBREC, ACK_PUBREC_AGAIN, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import Message
 from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
@@ -21,7 +21,7 @@ from gateway.mqtt.packets import PubComp, Publish, PubRel
 
 def received(core: BrokerState, conn: Connection, session: Session, p: Publish, message: Message, now: float) -> None:
     """Keep a new QoS 2 ``message`` (of PUBLISH ``p``) under its Packet Identifier until its PUBREL, and PUBREC it
-    once that is durable (held as :attr:`~gateway.broker.barriers.Ack.PUBREC`: refused if the commit fails)."""
+    once that is durable (held as :attr:`~gateway.broker.barriers.ACK_PUBREC`: refused if the commit fails)."""
     pid: int = p.packet_id  # type: ignore[assignment]
     awaiting = awaiting_rel_for_write(session)
     entry = awaiting[pid] = (message, now)
@@ -31,7 +31,7 @@ def received(core: BrokerState, conn: Connection, session: Session, p: Publish, 
         core.deadlines.schedule(conn, now + timeout)
     if session.persistent:
         core.store.inbound_saved(session.client_id, pid, message)
-    if hold(core, Ack.PUBREC, conn, p, entry):
+    if hold(core, ACK_PUBREC, conn, p, entry):
         pubrec(core, conn, pid)
 
 
@@ -40,7 +40,7 @@ def duplicate(core: BrokerState, conn: Connection, pid: int) -> None:
     the identifier until PUBREL, MQTT 5.0 §4.3.3 "method B"). Held behind the first one's record, and withheld if
     that fails (the identifier is released then)."""
     core.stats.dropped["qos2_duplicate"] += 1
-    if hold(core, Ack.PUBREC_AGAIN, conn, pid, own=True):
+    if hold(core, ACK_PUBREC_AGAIN, conn, pid, own=True):
         pubrec(core, conn, pid)
 
 
@@ -80,13 +80,13 @@ def pubrel(core: BrokerState, conn: Connection, pid: int, now: float) -> None:
             core.stats.dropped["expired"] += 1
         else:
             publish(core, entry[0], now)
-        if hold(core, Ack.PUBCOMP, conn, pid, 0):
+        if hold(core, ACK_PUBCOMP, conn, pid, 0):
             pubcomp(core, conn, pid, 0)
         return
     # PUBCOMP also for an unknown identifier (a PUBREL re-sent after the PUBCOMP was lost), 5.0 with 0x92 (MQTT 5.0
     # §3.7.2.1).
     reason = unknown_packet_id(conn.version)
-    if hold(core, Ack.PUBCOMP, conn, pid, reason):
+    if hold(core, ACK_PUBCOMP, conn, pid, reason):
         pubcomp(core, conn, pid, reason)
 
 

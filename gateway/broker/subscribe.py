@@ -5,7 +5,7 @@ messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
 from __future__ import annotations
 
 from gateway.broker.access_decisions import decide, may_read
-from gateway.broker.barriers import Ack, hold
+from gateway.broker.barriers import ACK_SUBACK, ACK_UNSUBACK, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.delivery import deliver
 from gateway.broker.limits import topic_limit_error
@@ -116,7 +116,7 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         if group is None and (record.retain_handling == 0 or (record.retain_handling == 1 and not existed)):
             retained.append(record)
     suback = Suback(p.packet_id, codes)
-    if hold(core, Ack.SUBACK, conn, suback, retained):
+    if hold(core, ACK_SUBACK, conn, suback, retained):
         subscribed(core, conn, suback, retained, now)
 
 
@@ -187,5 +187,5 @@ def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: flo
             core.store.subscription_deleted(session.client_id, topic_filter)
         codes.append(RC.SUCCESS)
     unsuback = Unsuback(p.packet_id, codes)
-    if hold(core, Ack.UNSUBACK, conn, unsuback):
+    if hold(core, ACK_UNSUBACK, conn, unsuback):
         send(core, conn, unsuback)
