@@ -34,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gateway.broker.actions import Action
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.mqtt.framing import PacketReader
@@ -105,9 +106,7 @@ def main() -> int:
             profile.enable()
         for _ in range(rounds):
             broker.receive(pub, batch, time.time())
-            loop.run_until_complete(settle())
-            pub.out.clear()
-            broker.dirty.clear()
+            loop.run_until_complete(settle())  # the PUBACKs: the actions of Broker.committed (not kept)
         if profile is not None:
             profile.disable()
         wall, loop_cpu, cpu1 = time.perf_counter() - wall0, time.thread_time() - loop0, os.times()
@@ -148,24 +147,33 @@ def drain(broker: Broker, store: LmdbStore, loop: asyncio.AbstractEventLoop, lim
     wall0, loop0, cpu0 = time.perf_counter(), time.thread_time(), os.times()
     if profile is not None:
         profile.enable()
-    broker.receive(sub, Connect(client_id="sub", clean_start=False, keep_alive=60).encode(4), time.time())
+    sub_out: list[bytes] = []  # what the broker's actions wrote to the subscriber, as the I/O layer buffers it
+
+    def keep(actions: list[Action]) -> None:
+        for action in actions:
+            if action.conn is sub:
+                sub_out.extend(action.data)
+
+    store.on_committed = lambda barrier: keep(broker.committed(barrier, time.time()))
+    keep(broker.receive(sub, Connect(client_id="sub", clean_start=False, keep_alive=60).encode(4), time.time()))
     while True:
         t = time.thread_time()
-        data = b"".join(sub.out)
-        sub.out.clear()
-        broker.dirty.discard(sub)
+        data = b"".join(sub_out)
+        sub_out.clear()
         acks = [PubAck(p.packet_id).encode(4) for p in reader.feed(data) if isinstance(p, Publish)]
         client_cpu += time.thread_time() - t
         if not acks:
             loop.run_until_complete(settle())
-            if not sub.out:
+            if not sub_out:
                 break
             continue
         got += len(acks)
         now = time.time()
-        broker.receive(sub, b"".join(acks), now)
-        while sub.pending:  # a long run of PUBACKs is handled in parts (the server writes between them)
-            broker.resume(sub, now)
+        actions = broker.receive(sub, b"".join(acks), now)
+        keep(actions)
+        while any(action.more for action in actions):  # a long PUBACK run, in parts (the server writes between)
+            actions = broker.resume(sub, now)
+            keep(actions)
         loop.run_until_complete(asyncio.sleep(0))  # a loop turn: flushes, lazy commits as on the server
     loop.run_until_complete(settle())
     if profile is not None:

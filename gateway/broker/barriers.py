@@ -66,11 +66,10 @@ def hold(core: BrokerState, ack: Ack, conn: Connection, a: Any, b: Any = None, o
     ``own``: the record owns changes whatever the store answers (``ACK_PUBREC_AGAIN``)."""
     barrier = core.next_barrier
     answer = core.store.barrier(barrier)
-    held = core.held_acks
-    if answer == DURABLE and not held:
+    if answer == DURABLE and not core.held_acks:
         return True
     core.next_barrier = barrier + 1
     if answer == OWN or own or core.input_owns:
         core.input_owns = own = True
-    held.append((barrier, own, ack, conn, a, b))
+    core.held_acks.append((barrier, own, ack, conn, a, b))
     return False

@@ -50,7 +50,7 @@ def refuse(core: BrokerState, conn: Connection, reason: RC, message: str, now: f
     connack = connack_refusal_packet(conn.version, reason, message)
     if connack is not None:
         send(core, conn, connack)
-    close(core, conn, now, publish_will=False)
+    close(core, conn, now, publish_will=False, reason=f"CONNECT refused: {message}")
 
 
 def _client_id_refusal(p: Connect, client_id: str, max_len: int) -> str | None:
@@ -101,7 +101,7 @@ def _take_over(core: BrokerState, conn: Connection, session: Session, now: float
     packet = disconnect(old.version, RC.SESSION_TAKEN_OVER)
     if packet is not None:
         send(core, old, packet)
-    close(core, old, now, publish_will=True)
+    close(core, old, now, publish_will=True, reason="session taken over")
 
 
 def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:

@@ -30,15 +30,6 @@ from gateway.mqtt.topics import require_topic, topic_name_error
 _STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 
 
-class ReadPaused(Exception):
-    """``max_publish_rate``: ``packet`` (a PUBLISH) waits for a token; :meth:`Broker.receive` keeps it and the bytes
-    after it until ``Connection.paused_until`` (not an error: nothing is sent, nothing closed)."""
-
-    def __init__(self, packet: Publish) -> None:
-        super().__init__("max_publish_rate")
-        self.packet = packet
-
-
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
     """PUBLISH ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT 5.0's
     numbering.
@@ -62,8 +53,8 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     assert session is not None
     limits = conn.limits
     rate = limits.max_publish_rate
-    if rate:
-        spend_publish_token(core, conn, p, rate, now)
+    if rate and not spend_publish_token(core, conn, p, rate, now):
+        return  # waits for its token (conn.deferred)
     topic = p.topic
     props = p.properties
     v5 = conn.version == MQTT_5
@@ -202,12 +193,13 @@ def _retain(core: BrokerState, conn: Connection, p: Publish, topic: str, v5: boo
     return False
 
 
-def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> None:
+def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> bool:
     """``max_publish_rate``: take one token from ``conn``'s bucket (``rate`` tokens a second, holding at most one
-    second's worth, at least 1). Without one, ``p`` waits: ``conn.paused_until`` is set to when the token is
-    there and :class:`ReadPaused` raised; the broker keeps ``p`` and the bytes after it, the I/O layer stops
-    reading from the connection until then (Mosquitto and EMQX throttle the same way, never disconnect). Each
-    pause is counted (``$SYS/broker/refused/max_publish_rate``) and logged at most once a minute per address."""
+    second's worth, at least 1); True when there was one. Without one, ``p`` waits: it becomes ``conn.deferred``
+    and ``conn.paused_until`` is set to when the token is there; the broker keeps ``p`` and the bytes after it,
+    and its action tells the I/O layer to stop reading from the connection until then (Mosquitto and EMQX
+    throttle the same way, never disconnect). Each pause is counted (``$SYS/broker/refused/max_publish_rate``)
+    and logged at most once a minute per address."""
     tokens = conn.tokens + (now - conn.tokens_at) * rate
     burst = rate if rate > 1.0 else 1.0
     if tokens > burst:
@@ -215,7 +207,7 @@ def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: f
     conn.tokens_at = now
     if tokens > 0.999999:  # 1, give or take the rounding of (now - tokens_at) * rate
         conn.tokens = max(tokens - 1.0, 0.0)
-        return
+        return True
     conn.tokens = tokens
     if conn.paused_until <= now:  # a new pause, not a resume that came a little early
         core.stats.refused["max_publish_rate"] += 1
@@ -223,7 +215,8 @@ def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: f
                           "%s (%s): more than max_publish_rate = %g PUBLISH/s; reading paused", conn.peer,
                           conn.client_id, rate)
     conn.paused_until = now + (1.0 - tokens) / rate
-    raise ReadPaused(p)
+    conn.deferred = p
+    return False
 
 
 def refused(
@@ -266,7 +259,7 @@ def refuse_unstored(core: BrokerState, conn: Connection, p: Publish, full: bool,
         "store full" if full else "store write failed",
         p.qos,
     )
-    close(core, conn, now, publish_will=False)
+    close(core, conn, now, publish_will=False, reason="a QoS 1/2 PUBLISH could not be stored (3.1.1 cannot refuse)")
 
 
 def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: str, counter: str | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from gateway.broker.actions import CLOSE
 from gateway.broker.connection_states import CLOSED
 from gateway.broker.message import Message
 from gateway.broker.router import publish
@@ -22,12 +23,15 @@ from gateway.mqtt.properties import PropertyId as P
 log = logging.getLogger("gateway.broker")
 
 
-def close(core: BrokerState, conn: Connection, now: float, publish_will: bool) -> None:
-    """Close ``conn`` once its output is written; detach its session."""
+def close(core: BrokerState, conn: Connection, now: float, publish_will: bool, reason: str = "closed by the broker",
+          how: int = CLOSE) -> None:
+    """Close ``conn`` (``how``: :data:`~gateway.broker.actions.CLOSE` once its output is written, or ``ABORT`` at
+    once; ``reason`` for the I/O layer's log); detach its session."""
     if conn.state == CLOSED:
         return
     conn.move_to(CLOSED)
-    conn.close_after_flush = True
+    conn.closing = how
+    conn.close_reason = reason
     core.dirty.add(conn)
     detach(core, conn, now, publish_will)
 

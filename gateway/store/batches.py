@@ -66,6 +66,7 @@ class CommitBatches(LmdbWriter):
         self._barrier = 0  # the open batch's last commit barrier (0: none)
         self._inflight: deque[int] = deque()  # the last barrier of each batch in flight (0: none)
         self._submit_scheduled = False
+        self._group_commit = settings.group_commit
         self._lazy: asyncio.TimerHandle | None = None  # a submit of changes nobody waits for, not yet due
         # Every queue row with a seq <= this was committed, except those reported to on_queue_rows_lost first.
         self.committed_seq = 0
@@ -217,15 +218,8 @@ class CommitBatches(LmdbWriter):
         if changed or self._ops or self._sent:
             self._changed = False
             self._barrier = barrier
-            if not self.settings.group_commit:
-                self._submit()
-            elif self._lazy is not None:
-                # Someone waits now: commit at the end of this loop turn, not when the lazy timer fires.
-                self._lazy.cancel()
-                self._lazy = None
-                self._submit_scheduled = True
-                assert self.loop is not None
-                self.loop.call_soon(self._submit)
+            if self._lazy is not None or not self._group_commit:
+                self._bring_forward()
             return OWN if changed else ORDER
         if self._barrier:
             self._barrier = barrier  # cannot happen: an open barrier has open changes
@@ -234,6 +228,18 @@ class CommitBatches(LmdbWriter):
             self._inflight[-1] = barrier  # reported with the batch being written, after its own barrier
             return ORDER
         return DURABLE
+
+    def _bring_forward(self) -> None:
+        """A barrier joined the open batch: without group commit, hand it over now; else commit at the end of this
+        loop turn, not when the lazy timer fires."""
+        if not self._group_commit:
+            self._submit()
+            return
+        assert self._lazy is not None and self.loop is not None
+        self._lazy.cancel()
+        self._lazy = None
+        self._submit_scheduled = True
+        self.loop.call_soon(self._submit)
 
     def pending(self) -> bool:
         """True while recorded changes or commit barriers wait for a commit."""
