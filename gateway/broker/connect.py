@@ -151,7 +151,7 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     """CONNECT ``p`` on ``conn`` (state ``AWAITING_CONNECT``), at ``now`` (wall-clock seconds): accept it or refuse it.
     Statements: MQTT 5.0's numbering.
 
-    Output: a CONNACK on ``conn.out`` and ``conn`` in ``core.dirty``. Accepted: ``conn`` is ``CONNECTED`` to its
+    Output: a CONNACK on ``conn``'s output (its action). Accepted: ``conn`` is ``CONNECTED`` to its
     session (new, resumed or taken over), Session Present set accordingly [MQTT-3.2.2-2] [MQTT-3.2.2-3], the
     negotiated limits on ``conn`` (Receive Maximum caps the Inflight Window, Maximum Packet Size, Topic Alias
     Maximum, Server Keep Alive), and unacknowledged PUBLISH (DUP=1) and PUBREL re-sent in order [MQTT-4.4.0-1].

@@ -99,7 +99,7 @@ class BrokerState:
         self.deadlines = DeadlineIndex()
         self.tree = SubscriptionTree()
         self.retained = RetainedMessages()
-        #: Connections with output to write; the I/O layer writes and clears them once per loop turn.
+        #: Connections with output or a close for the I/O layer since the input began (handed out as its actions).
         self.dirty: set[Connection] = set()
         self.stats = Stats()
         self.started_at = now
