@@ -46,7 +46,7 @@ from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Message
-from gateway.broker.output import send, send_raw
+from gateway.broker.output import hand_out, send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
 from gateway.broker.session_state import NEVER, Connection
@@ -153,7 +153,7 @@ class Broker(BrokerState):
 
     def _read_actions(self, conn: Connection, published: int) -> list[Action]:
         """The actions of an input that read from ``conn`` (``published``: the PUBLISH count before it)."""
-        actions = self._actions()
+        actions = hand_out(self)
         if conn.pending or conn.deferred is not None or (
             self.congested and self.stats.publish_received != published and conn.state != CLOSED
         ):
@@ -254,22 +254,6 @@ class Broker(BrokerState):
             return None
         return waiting if conn.state != CLOSED else None
 
-    def _actions(self) -> list[Action]:
-        """The actions of the input just handled: each connection with packets to write or a close, its packets
-        handed over (the connection gets a new list)."""
-        dirty = self.dirty
-        if not dirty:
-            return NO_ACTIONS
-        new = tuple.__new__
-        actions = []
-        for conn in dirty:
-            out = conn.out
-            if out:
-                conn.out = []
-            actions.append(new(Action, (conn, out, conn.closing, conn.close_reason, 0.0, False)))
-        dirty.clear()
-        return actions
-
     def _reading(self, conn: Connection, actions: list[Action], published: int) -> list[Action]:
         """``conn``'s action with what the I/O layer must do about reading from it: go on with the rest of the
         bytes first (``more``), wait for a ``max_publish_rate`` token (``pause_until``), or wait while a consumer
@@ -341,7 +325,7 @@ class Broker(BrokerState):
             conn.move_to(CLOSED)
             session_lifecycle.detach(self, conn, now, publish_will=True)
         self.dirty.discard(conn)
-        return self._actions()
+        return hand_out(self)
 
     def pause_writing(self, conn: Connection, now: float) -> None:
         """The connection's socket write buffer passed ``high_watermark``: QoS 0 messages to it are dropped and
@@ -359,7 +343,7 @@ class Broker(BrokerState):
         session = conn.session
         if session is not None and session.conn is conn:
             inflight.pump(self, session, now)
-        return self._actions()
+        return hand_out(self)
 
     def tick(self, now: float) -> list[Action]:
         """Run every deadline that has passed (:mod:`gateway.broker.timers`) and the ``$SYS`` updates; the
@@ -371,7 +355,7 @@ class Broker(BrokerState):
         if self.settings.sys_interval and now >= self.next_sys:
             self.next_sys = now + self.settings.sys_interval
             self.publish_sys(now)
-        return self._actions()
+        return hand_out(self)
 
     def _release_held(self, now: float) -> None:
         """Handle the CONNECTs the failure throttle held whose delay is over (:func:`.connect.hold`), then the
@@ -408,7 +392,7 @@ class Broker(BrokerState):
             if conn.state == CONNECTED and conn.version == MQTT_5:
                 send(self, conn, Disconnect(RC.SERVER_SHUTTING_DOWN))
             session_lifecycle.close(self, conn, now, publish_will=False, reason="server shutting down")
-        return self._actions()
+        return hand_out(self)
 
     # ------------------------------------------------------------------------------------------ from the store
 
@@ -416,14 +400,14 @@ class Broker(BrokerState):
         """The store committed everything recorded before commit barrier ``barrier`` (and so every earlier barrier):
         the acknowledgements held under them are emitted, in order (:mod:`gateway.broker.commits`); the actions."""
         commits.committed(self, barrier, now)
-        return self._actions()
+        return hand_out(self)
 
     def failed(self, barrier: int, full: bool, now: float) -> list[Action]:
         """The commit holding barrier ``barrier`` (and the earlier ones not yet reported) failed; ``full``: for lack
         of room (MQTT 5 publishers get 0x97 Quota exceeded, else 0x80). What owns changes in it is refused, the
         rest acknowledged in order (:mod:`gateway.broker.barriers`); the actions."""
         commits.failed(self, barrier, full, now)
-        return self._actions()
+        return hand_out(self)
 
     def store_change_failed(self, client_ids: set[str], now: float) -> list[Action]:
         """The store left changes of these clients out of a commit because they failed on their own (the rest of
@@ -444,7 +428,7 @@ class Broker(BrokerState):
             if packet is not None:
                 send(self, conn, packet)
             session_lifecycle.close(self, conn, now, publish_will=True, reason="a change of its state failed to store")
-        return self._actions()
+        return hand_out(self)
 
     def queue_rows_lost(self, client_id: str, seqs: list[int]) -> None:
         """The store did not write these queue rows of ``client_id`` (:func:`.delivery.queue_rows_lost`)."""
@@ -507,7 +491,7 @@ class Broker(BrokerState):
         for the downlink, so the bridge never forwards it back up)."""
         message = Message(self.new_mid(), topic, payload, qos, retain, properties, now, expires_at, sender)
         router.publish(self, message, now)
-        return self._actions()
+        return hand_out(self)
 
     def sys_values(self, now: float) -> dict[str, str]:
         """The ``$SYS/broker/...`` values (Mosquitto's names), as strings."""
