@@ -1,9 +1,10 @@
 """The broker core in process: no sockets, no sleeps, time given as ``now`` (a fake clock).
 
 Each test drives :class:`~gateway.broker.broker.Broker` the way the I/O layer does (``open``, ``receive``,
-``tick``, ``connection_lost``) and decodes what it wrote to ``Connection.out`` with the client side's
-:class:`~gateway.mqtt.framing.PacketReader`. Tests are named after the seed (``/work/shared/seeds``, see
-DESIGN.md §3) or the normative statement they check.
+``tick``, ``connection_lost``) and decodes what the returned actions wrote (kept per connection by
+``tests/recording_broker.py``) with the client side's :class:`~gateway.mqtt.framing.PacketReader`. Tests are
+named after the session semantics they check (``seed000``...: docs/architecture.md, "Session semantics") or the
+normative statement.
 """
 
 from __future__ import annotations
