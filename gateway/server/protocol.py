@@ -69,7 +69,7 @@ class BrokerIO:
                     buf = buffers[conn] = data
                 else:
                     buf.extend(data)
-                if len(buf) >= WRITE_NOW_PACKETS:
+                if conn is reading and len(buf) >= WRITE_NOW_PACKETS:
                     # Many packets for this connection (a SUBSCRIBE that matched many retained messages): written
                     # now, so the client reads them while the broker handles the other connections of this turn.
                     self.write_now(conn)
@@ -119,8 +119,9 @@ class BrokerIO:
             return
         del self.rate_paused[conn]
         try:
-            while self.perform(self.broker.pause_over(conn, now), conn):
-                self.perform(self.broker.resume(conn, now), conn)
+            if self.perform(self.broker.pause_over(conn, now), conn):
+                while self.perform(self.broker.resume(conn, now), conn):
+                    pass
         except Exception:
             log.exception("internal error while handling %s; closing that connection", conn)
             transport.close()
@@ -271,6 +272,7 @@ class MQTTProtocol(asyncio.Protocol):
             log.exception("internal error while handling %s; closing that connection", conn)
             if self.transport is not None:
                 self.transport.close()
+        io.schedule_flush()  # also when nothing was written: a congestion that ended releases paused publishers
 
     def pause_writing(self) -> None:
         if self.conn is not None:
