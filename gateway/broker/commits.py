@@ -25,7 +25,7 @@ from gateway.broker.barriers import (
     Ack,
 )
 from gateway.broker.connection_states import CONNECTED
-from gateway.broker.inbound import puback, puback_committed, refused
+from gateway.broker.inbound import puback_committed, refused
 from gateway.broker.inflight import send_held, send_held_qos0
 from gateway.broker.output import PUBREL_BYTE, send, send_ack
 from gateway.broker.qos2 import pubcomp, pubrec
@@ -43,10 +43,8 @@ def committed(core: BrokerState, barrier: int, now: float) -> None:
     while held and held[0][0] <= barrier:
         _, _, ack, conn, a, b = held.popleft()
         try:
-            if ack == ACK_PUBACK:  # the common one (a durable QoS 1 PUBLISH), without a call more
-                conn.inbound_pending -= 1
-                if conn.state == CONNECTED:
-                    puback(core, conn, a, b)
+            if ack == ACK_PUBACK:  # the common one (a durable QoS 1 PUBLISH), without the dispatch
+                puback_committed(core, conn, a, b)
             else:
                 _emit(core, ack, conn, a, b, now)
         except Exception:  # one record's bug must not keep the later ones held
