@@ -149,10 +149,16 @@ class Broker(BrokerState):
         ``pause_until``. A publisher while a consumer is congested is paused :data:`UNTIL_RELEASED`."""
         published = self.stats.publish_received
         self._receive(conn, data, now)
-        return self._read_actions(conn, published)
+        actions = hand_out(self) if self.dirty else NO_ACTIONS
+        if conn.pending or conn.deferred is not None or (
+            self.congested and self.stats.publish_received != published and conn.state != CLOSED
+        ):
+            actions = self._reading(conn, actions, published)
+        return actions
 
     def _read_actions(self, conn: Connection, published: int) -> list[Action]:
-        """The actions of an input that read from ``conn`` (``published``: the PUBLISH count before it)."""
+        """The actions of an input that read from ``conn`` (``published``: the PUBLISH count before it), as
+        :meth:`receive` makes them."""
         actions = hand_out(self)
         if conn.pending or conn.deferred is not None or (
             self.congested and self.stats.publish_received != published and conn.state != CLOSED
@@ -318,13 +324,15 @@ class Broker(BrokerState):
         take-over's consequences, for other connections)."""
         self.connections.pop(conn, None)
         self.deadlines.unschedule(conn)
-        self.dirty.discard(conn)
         self.held.discard(conn)
         conn.pending = False
         if conn.state != CLOSED:
             conn.move_to(CLOSED)
             session_lifecycle.detach(self, conn, now, publish_will=True)
-        self.dirty.discard(conn)
+        dirty = self.dirty
+        if not dirty:
+            return NO_ACTIONS
+        dirty.discard(conn)  # nothing more is written to it
         return hand_out(self)
 
     def pause_writing(self, conn: Connection, now: float) -> None:

@@ -199,15 +199,16 @@ def on_connect(core: BrokerState, conn: Connection, p: Connect, now: float) -> N
     server_keep_alive = _negotiate(conn, p, v5)
     # The CONNECT timeout no longer applies: next come Keep Alive and identifiers of a resumed session awaiting PUBREL.
     core.deadlines.refile(conn, next_check(conn, now))
-    log.debug(
-        "%s: %r connected (v%d, clean_start=%s, keep_alive=%d, session_present=%s)",
-        conn.peer,
-        client_id,
-        p.protocol_level,
-        p.clean_start,
-        conn.keep_alive,
-        session_present,
-    )
+    if log.isEnabledFor(logging.DEBUG):  # one call on the CONNECT path instead of two and the arguments
+        log.debug(
+            "%s: %r connected (v%d, clean_start=%s, keep_alive=%d, session_present=%s)",
+            conn.peer,
+            client_id,
+            p.protocol_level,
+            p.clean_start,
+            conn.keep_alive,
+            session_present,
+        )
     _connack(core, conn, p, session_present, assigned, server_keep_alive, requested, granted)
     # Resume: re-send unacknowledged PUBLISH with DUP=1 and PUBREL, in order [MQTT-4.4.0-1].
     resend(core, session, conn, now)
@@ -375,9 +376,11 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
     """Bind ``session`` to ``conn`` with the granted Session Expiry Interval; a session that becomes persistent is
     recorded in the store (and its queue may page), one that stops being persistent leaves it."""
     limits = conn.limits
-    was_persistent = session.persistent
+    # Session.persistent, read without its property (the CONNECT path; MQTT 5.0 §3.1.2.11.2: an interval > 0).
+    was_persistent = session.expiry_interval > 0
+    persistent = expiry_interval > 0
     session.expiry_interval = expiry_interval
-    core.persistent_count += session.persistent - was_persistent
+    core.persistent_count += persistent - was_persistent
     session.protocol_level = conn.version
     mqueue = session.mqueue
     receiving = mqueue is not NO_QUEUE  # else it has never subscribed: no queue to bound or page yet
@@ -386,7 +389,7 @@ def _attach(core: BrokerState, conn: Connection, session: Session, expiry_interv
         if receiving:
             mqueue.max_len = limits.max_mqueue_len
             mqueue.max_bytes = limits.max_mqueue_bytes
-    if session.persistent:
+    if persistent:
         core.store.session_saved(session)
         if receiving and mqueue.pager is None:
             paging = core.store.pager(session.client_id)
