@@ -3,7 +3,7 @@
     .venv/bin/python bench/connect_cpu.py [--connections 9000] [--level 4]
 
 The core's share of docs/benchmarks.md's connects/s row: ``Broker.open``, a CONNECT (clean session, Keep Alive 60)
-through ``Broker.receive`` up to its CONNACK on ``Connection.out``, then a DISCONNECT and ``Broker.connection_lost``,
+through ``Broker.receive`` up to its CONNACK in the returned action, then a DISCONNECT and ``Broker.connection_lost``,
 one connection after another, the memory store. The rest of a real connection's cost (accept, the transport, the
 socket calls) is the event loop's. For a figure that does not move with the machine's load, count instructions:
 ``valgrind --tool=callgrind --callgrind-out-file=/dev/null`` over two ``--connections`` counts, the difference
@@ -36,10 +36,8 @@ def run(connections: int, level: int) -> float:
     for i, data in enumerate(packets):
         now = float(i) / 1000.0
         conn = broker.open(limits, "bench", "peer", now)
-        broker.receive(conn, data, now)
-        assert conn.out, "no CONNACK"
+        assert broker.receive(conn, data, now)[0].data, "no CONNACK"
         broker.connection_lost(conn, now)
-        broker.dirty.clear()
     return (time.process_time() - start) / connections * 1e6
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gateway.broker.actions import Action
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.mqtt.framing import PacketReader
@@ -52,13 +53,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         store = LmdbStore(StoreSettings(path=tmp))
         broker = Broker(BrokerSettings(sys_interval=0), store, now=time.time())
-        store.attach(loop)
+        waiters: list[asyncio.Future[None]] = []
+
+        def batch_done() -> None:
+            for f in waiters:
+                if not f.done():
+                    f.set_result(None)
+            waiters.clear()
+
+        store.attach(loop, batch_done)
+        # The commit reports go back to the core, as the server's runner passes them (it emits the PUBACKs).
+        store.on_committed = lambda barrier: broker.committed(barrier, time.time())
+        store.on_failed = lambda barrier, full: broker.failed(barrier, full, time.time())
         limits = ZoneLimits(max_mqueue_len=0, message_expiry_interval=0)
 
         async def settle() -> None:
             while store.pending():
                 done = loop.create_future()
-                store.when_durable(lambda f=done: f.done() or f.set_result(None))
+                waiters.append(done)
                 await done
 
         def send(conn: Any, *packets: Any) -> None:
@@ -94,9 +106,7 @@ def main() -> int:
             profile.enable()
         for _ in range(rounds):
             broker.receive(pub, batch, time.time())
-            loop.run_until_complete(settle())
-            pub.out.clear()
-            broker.dirty.clear()
+            loop.run_until_complete(settle())  # the PUBACKs: the actions of Broker.committed (not kept)
         if profile is not None:
             profile.disable()
         wall, loop_cpu, cpu1 = time.perf_counter() - wall0, time.thread_time() - loop0, os.times()
@@ -137,24 +147,33 @@ def drain(broker: Broker, store: LmdbStore, loop: asyncio.AbstractEventLoop, lim
     wall0, loop0, cpu0 = time.perf_counter(), time.thread_time(), os.times()
     if profile is not None:
         profile.enable()
-    broker.receive(sub, Connect(client_id="sub", clean_start=False, keep_alive=60).encode(4), time.time())
+    sub_out: list[bytes] = []  # what the broker's actions wrote to the subscriber, as the I/O layer buffers it
+
+    def keep(actions: list[Action]) -> None:
+        for action in actions:
+            if action.conn is sub:
+                sub_out.extend(action.data)
+
+    store.on_committed = lambda barrier: keep(broker.committed(barrier, time.time()))
+    keep(broker.receive(sub, Connect(client_id="sub", clean_start=False, keep_alive=60).encode(4), time.time()))
     while True:
         t = time.thread_time()
-        data = b"".join(sub.out)
-        sub.out.clear()
-        broker.dirty.discard(sub)
+        data = b"".join(sub_out)
+        sub_out.clear()
         acks = [PubAck(p.packet_id).encode(4) for p in reader.feed(data) if isinstance(p, Publish)]
         client_cpu += time.thread_time() - t
         if not acks:
             loop.run_until_complete(settle())
-            if not sub.out:
+            if not sub_out:
                 break
             continue
         got += len(acks)
         now = time.time()
-        broker.receive(sub, b"".join(acks), now)
-        while sub.pending:  # a long run of PUBACKs is handled in parts (the server writes between them)
-            broker.resume(sub, now)
+        actions = broker.receive(sub, b"".join(acks), now)
+        keep(actions)
+        while any(action.more for action in actions):  # a long PUBACK run, in parts (the server writes between)
+            actions = broker.resume(sub, now)
+            keep(actions)
         loop.run_until_complete(asyncio.sleep(0))  # a loop turn: flushes, lazy commits as on the server
     loop.run_until_complete(settle())
     if profile is not None:

@@ -45,6 +45,8 @@ import shutil
 import struct
 from typing import Any
 
+from recording_broker import RecordingBroker
+
 from gateway.broker.broker import Broker
 from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
@@ -299,7 +301,7 @@ class Harness:
                                                  lazy_commit=0.0), ZoneLimits)
         self.settings = BrokerSettings(sys_interval=0 if c.pick(2) else 30.0, max_sessions=6,
                                        max_retained_messages=4, max_retained_bytes=1200)
-        self.broker = Broker(self.settings, self.store, now=self.now)
+        self.broker = RecordingBroker(self.settings, self.store, now=self.now)
         self.limits = ZoneLimits(max_inflight=2, max_mqueue_len=4, max_mqueue_bytes=2000, max_awaiting_rel=3,
                                  await_rel_timeout=60, topic_alias_maximum=4, max_topic_levels=4,
                                  max_topic_length=64, max_subscriptions=3, max_packet_size=4096,
@@ -335,12 +337,9 @@ class Harness:
     def drain(self) -> None:
         """Read what the broker wrote, as clients would; the pair acknowledges and records what it got."""
         for conn in list(self.readers):
-            out = conn.out
-            if not out:
+            data = self.broker.take(conn)
+            if not data:
                 continue
-            data = b"".join(out)
-            out.clear()
-            self.broker.dirty.discard(conn)
             if conn.session is None and conn.state != CONNECTED and conn not in self.versions:
                 continue  # answers before a CONNECT was accepted are encoded at the level the client asked for
             reader = self.readers[conn]

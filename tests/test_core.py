@@ -1,9 +1,10 @@
 """The broker core in process: no sockets, no sleeps, time given as ``now`` (a fake clock).
 
 Each test drives :class:`~gateway.broker.broker.Broker` the way the I/O layer does (``open``, ``receive``,
-``tick``, ``connection_lost``) and decodes what it wrote to ``Connection.out`` with the client side's
-:class:`~gateway.mqtt.framing.PacketReader`. Tests are named after the seed (``/work/shared/seeds``, see
-DESIGN.md §3) or the normative statement they check.
+``tick``, ``connection_lost``) and decodes what the returned actions wrote (kept per connection by
+``tests/recording_broker.py``) with the client side's :class:`~gateway.mqtt.framing.PacketReader`. Tests are
+named after the session semantics they check (``seed000``...: docs/architecture.md, "Session semantics") or the
+normative statement.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from typing import Any
 
 import pytest
+from recording_broker import RecordingBroker
 
 from gateway.broker.broker import Broker
 from gateway.broker.connection_states import CLOSED, CONNECTED
@@ -41,8 +43,8 @@ from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import ReasonCode as RC
 
 
-def make_broker(now: float = 0.0) -> Broker:
-    return Broker(BrokerSettings(sys_interval=0), MemoryStore(), now=now)
+def make_broker(now: float = 0.0) -> RecordingBroker:
+    return RecordingBroker(BrokerSettings(sys_interval=0), MemoryStore(), now=now)
 
 
 class Client:
@@ -50,7 +52,7 @@ class Client:
 
     _peers = 0
 
-    def __init__(self, broker: Broker, version: int = 4, limits: ZoneLimits | None = None, now: float = 0.0):
+    def __init__(self, broker: RecordingBroker, version: int = 4, limits: ZoneLimits | None = None, now: float = 0.0):
         Client._peers += 1
         self.broker = broker
         self.version = version
@@ -69,9 +71,7 @@ class Client:
 
     def read(self) -> list[Any]:
         """Every packet the broker wrote to this connection since the last read."""
-        data = b"".join(self.conn.out)
-        self.conn.out.clear()
-        self.broker.dirty.discard(self.conn)
+        data = self.broker.take(self.conn)
         packets = self.unread + list(self.reader.feed(data))
         self.unread = []
         return packets
@@ -352,7 +352,7 @@ def test_an_idle_connection_costs_the_core_under_1_kib() -> None:
     import gc
     import tracemalloc
 
-    broker = make_broker()
+    broker = Broker(BrokerSettings(sys_interval=0), MemoryStore(), now=0.0)  # its actions are dropped, not kept
     limits = ZoneLimits()
     packets = [Connect(f"idle-{i:06d}", keep_alive=60).encode(4) for i in range(3000)]
     peers = [f"127.0.0.1:{20000 + i}" for i in range(3000)]
@@ -363,10 +363,8 @@ def test_an_idle_connection_costs_the_core_under_1_kib() -> None:
         conns = []
         for i in range(3000):
             conn = broker.open(limits, "external", peers[i], 0.5)
-            broker.receive(conn, packets[i], 0.5)
-            conn.out.clear()
+            broker.receive(conn, packets[i], 0.5)  # the CONNACK's action is handed out, and dropped
             conns.append(conn)
-        broker.dirty.clear()
         gc.collect()
         per_connection = (tracemalloc.get_traced_memory()[0] - before - sys.getsizeof(conns)) / 3000
     finally:
@@ -720,7 +718,7 @@ def test_mqtt_3_2_2_refusal_reason_codes_downgrade_to_3_1_1_return_codes() -> No
     ]
     for limits, settings, kwargs, v5_code, v311_code in cases:
         for version, expected in ((5, v5_code), (4, v311_code)):
-            broker = Broker(BrokerSettings(sys_interval=0, **settings), MemoryStore(), now=0.0)
+            broker = RecordingBroker(BrokerSettings(sys_interval=0, **settings), MemoryStore(), now=0.0)
             first = Client(broker, version, limits)
             first.connect(
                 "first", clean_start=False, properties={P.SESSION_EXPIRY_INTERVAL: 60} if version == 5 else {}
@@ -828,7 +826,7 @@ def test_seed000_a_long_puback_run_is_left_pending_so_the_io_layer_writes_betwee
     publish_many(pub, [b"%d" % i for i in range(64)])
     got = sub.publishes()
     broker.receive(sub.conn, b"".join(PubAck(p.packet_id).encode(4) for p in got) + PingReq().encode(4), 1.0)
-    assert sub.conn.pending  # the first part handled; its refills are on conn.out, ready to be written
+    assert sub.conn.pending  # the first part handled; its refills are in its action, ready to be written
     first = sub.read()
     assert [p.payload for p in first] == [b"32", b"33", b"34", b"35", b"36", b"37", b"38", b"39"]
     while sub.conn.pending:
@@ -879,9 +877,13 @@ def test_mqtt_3_3_1_retained_messages_to_new_subscribers_are_the_current_ones_in
 # --------------------------------------------------------------------------- store changes as output (DESIGN.md §4)
 
 
-def changelog_broker(now: float = 0.0) -> tuple[Broker, ChangeLog]:
+def changelog_broker(now: float = 0.0) -> tuple[RecordingBroker, ChangeLog]:
+    """A broker on a :class:`ChangeLog`, whose commit reports go back to the broker as the I/O layer passes them."""
     store = ChangeLog()
-    return Broker(BrokerSettings(sys_interval=0), store, now=now), store
+    broker = RecordingBroker(BrokerSettings(sys_interval=0), store, now=now)
+    store.on_committed = lambda barrier: broker.committed(barrier, now)
+    store.on_failed = lambda barrier, full: broker.failed(barrier, full, now)
+    return broker, store
 
 
 def ops(changes: list[StoreChange]) -> list[tuple[str, str | None]]:
@@ -934,6 +936,35 @@ def test_design_4_a_failed_commit_refuses_the_publish_0x97_in_5_0_and_disconnect
     assert [(type(p), p.packet_id, p.reason_code) for p in pub5.read()] == [(PubAck, 3, RC.QUOTA_EXCEEDED)]
     assert pub4.read() == [] and pub4.conn.state == CLOSED  # 3.1.1 cannot refuse: no PUBACK, closed
     assert broker.stats.dropped["store_full"] == 2
+
+
+def test_a_barrier_with_no_change_of_its_own_is_acknowledged_in_order_after_the_failed_barriers_refusals() -> None:
+    """Commit barriers (gateway/broker/barriers.py): a QoS 1 PUBLISH to a persistent subscriber records a queue row
+    (its barrier owns changes); one to a topic nobody stores records nothing (its barrier waits only for the order
+    of acknowledgements). When the commit fails, the first is refused (0x97) and the second acknowledged right
+    after it, in order; in one input, a barrier after one with changes of its own owns changes too (refused)."""
+    broker, store = changelog_broker()
+    subscribed(broker, store, "sub", persistent=True).disconnect()
+    store.take()
+    pub = Client(broker, 5)
+    pub.connect("pub")
+    pub.send(Publish("t", b"stored", qos=1, packet_id=1))
+    pub.send(Publish("nobody/listens", b"not stored", qos=1, packet_id=2))  # a later read: another input
+    both = Client(broker, 5)
+    both.connect("both")
+    both.send_bytes(Publish("t", b"stored", qos=1, packet_id=3).encode(5)
+                    + Publish("nobody/listens", b"not stored", qos=1, packet_id=4).encode(5))  # one input
+    assert ops(store.take()) == [("delivery_saved", "sub"), ("durable", None), ("durable", None),
+                                 ("delivery_saved", "sub"), ("durable", None), ("durable", None)]
+    assert pub.read() == [] and both.read() == []
+    assert store.fail(full=True) == 4
+    refused_then_acknowledged = [(1, RC.QUOTA_EXCEEDED), (2, RC.NO_MATCHING_SUBSCRIBERS)]
+    assert [(p.packet_id, p.reason_code) for p in pub.read()] == refused_then_acknowledged
+    assert [(p.packet_id, p.reason_code) for p in both.read()] == [(3, RC.QUOTA_EXCEEDED), (4, RC.QUOTA_EXCEEDED)]
+    assert broker.stats.dropped["store_full"] == 3 and not broker.held_acks
+    pub.send(Publish("nobody/listens", b"now", qos=1, packet_id=5))
+    assert store.commit() == 1
+    assert [(p.packet_id, p.reason_code) for p in pub.read()] == [(5, RC.NO_MATCHING_SUBSCRIBERS)]
 
 
 def test_design_4_a_full_store_refuses_new_work_at_once_and_keeps_qos0_flowing() -> None:

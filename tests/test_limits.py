@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from recording_broker import RecordingBroker
 from test_core import Client
 
-from gateway.broker.broker import Broker
 from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.store_port import MemoryStore
@@ -31,8 +31,8 @@ from gateway.mqtt.reason_codes import ReasonCode as RC
 from gateway.server.config import load_config
 
 
-def broker_with(**settings: int) -> Broker:
-    return Broker(BrokerSettings(sys_interval=0, **settings), MemoryStore(), now=0.0)
+def broker_with(**settings: int) -> RecordingBroker:
+    return RecordingBroker(BrokerSettings(sys_interval=0, **settings), MemoryStore(), now=0.0)
 
 
 # ---------------------------------------------------------------------------------------------- configuration

@@ -1,9 +1,10 @@
-"""The I/O glue alone (gateway/server/protocol.py): ``MQTTProtocol`` and ``BrokerIO`` driven by a fake transport
-that records what is done to it, as uvicorn's protocol tests do. The core decides (bytes on ``Connection.out``,
-``close_after_flush``, ``abort``, ``paused_until``, congestion); these tests check that the glue performs exactly
-that: one write per dirty connection per loop turn, a FIN then a close for a connection the core closed, an abort
-for a stuck one, and reading paused and resumed around a ``max_publish_rate`` pause. The transport is the unit's
-boundary here, not a stand-in for a part of the broker: the broker, its core and the memory store are real."""
+"""The I/O glue alone (gateway/server/protocol.py): ``MQTTProtocol`` and ``BrokerIO`` driven by a fake transport that
+records what is done to it, as uvicorn's protocol tests do. The core decides (the actions its inputs return: bytes to
+write, a close or an abort, reading paused until a time or while a consumer is congested); these tests check that the
+glue performs exactly that: one write per connection per loop turn, a FIN then a close for a connection the core
+closed, an abort for a stuck one, and reading paused and resumed around a ``max_publish_rate`` pause. The transport
+is the unit's boundary here, not a stand-in for a part of the broker: the broker, its core and the memory store are
+real."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gateway.broker.actions import ABORT, Action
 from gateway.broker.broker import Broker
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.session_state import Connection
@@ -153,10 +155,9 @@ async def test_the_linger_ends_in_a_close(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 async def test_a_stuck_connection_the_core_aborts_is_aborted_without_writing() -> None:
-    broker, io, _, transport, conn = await _connected()
-    conn.out.append(b"\x30\x03\x00\x01t")  # output the core left, then gave up on (send_timeout)
-    conn.abort = True
-    broker.dirty.add(conn)
+    _, io, _, transport, conn = await _connected()
+    # Output the core left, then gave up on (send_timeout): one action with both.
+    io.perform([Action(conn, [b"\x30\x03\x00\x01t"], ABORT, "send_timeout")])
     io.flush()
     assert transport.calls[-1] == "abort" and transport.calls.count("write") == 1 and conn.out == []
 
@@ -167,11 +168,11 @@ async def test_a_rate_pause_pauses_reading_until_the_core_says_and_then_resumes(
     proto.data_received(b"".join(Publish("t", b"x", 1, packet_id=i).encode(4) for i in range(1, 8)))
     conn = proto.conn
     assert conn is not None and conn.paused_until > time.time()
-    assert transport.calls.count("pause_reading") == 1 and not transport.reading and proto in io.rate_paused
+    assert transport.calls.count("pause_reading") == 1 and not transport.reading and conn in io.rate_paused
     deadline = time.monotonic() + 10
     while not transport.reading and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert transport.reading and proto not in io.rate_paused
+    assert transport.reading and conn not in io.rate_paused
     await _turn()  # the flush of the turn that handled the last PUBLISH
     # Each PUBLISH that waited for a token is handled when its pause ends, and reading stays paused (asyncio's
     # pause_reading is idempotent) until none waits: one resume, after the last pause.

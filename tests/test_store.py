@@ -9,8 +9,8 @@
 - A corrupt store is quarantined (or the broker refuses to start with ``on_corrupt = "refuse"``).
 - ``edge-gateway store stats|inspect|compact``.
 
-A QoS 1/2 acknowledgement is sent only once everything the message caused is committed, and the store's
-``when_durable`` callbacks run in order: so once a client has its PUBACK/PUBREC/PUBCOMP/SUBACK, everything recorded
+A QoS 1/2 acknowledgement is sent only once everything the message caused is committed, and the store reports
+the commit barriers they wait on in order: so once a client has its PUBACK/PUBREC/PUBCOMP/SUBACK, everything recorded
 before it survives a SIGKILL. The tests wait for those acknowledgements before restarting.
 """
 

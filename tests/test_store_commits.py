@@ -1,7 +1,7 @@
 """When the LMDB store commits (gateway/store/lmdb_store.py, DESIGN.md §4), on a real store and a real event loop.
 
 Work a client waits for is committed at the end of the loop turn that recorded it. That covers a PUBACK, PUBREC,
-PUBCOMP, SUBACK or UNSUBACK, and a QoS 2 send (all behind ``when_durable``). Changes nobody waits for (deletes
+PUBCOMP, SUBACK or UNSUBACK, and a QoS 2 send (all held under a commit barrier). Changes nobody waits for (deletes
 after acknowledgements, Packet Identifier updates of QoS 1 sends) wait up to ``lazy_commit`` and share a commit.
 If a waiter arrives in the meantime, the commit is brought forward. Commits write over space written ahead in
 the data file where they can.
@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from held_acks import HeldAcks
 
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.message import Delivery, Message
@@ -61,14 +62,15 @@ def _queue_rows(store: LmdbStore) -> int:
 
 def test_changes_nobody_waits_for_share_a_later_commit(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
     """With ``lazy_commit`` 10 s, deletes that nobody waits for stay uncommitted across many loop turns (so they
-    can share one commit); the first ``when_durable`` commits them all, in one transaction, at the next turn."""
+    can share one commit); the first commit barrier commits them all, in one transaction, at the next turn."""
     store = _open(tmp_path / "store", loop, lazy_commit=10.0)
     try:
         deliveries = [Delivery(Message(i, "t", b"x", 1, False, {}, 0.0), 1) for i in range(1, 6)]
         for delivery in deliveries:
             store.delivery_saved("sub", delivery)
-        acked: list[int] = []
-        store.when_durable(lambda: acked.append(1))  # a PUBACK waits: committed at once
+        held = HeldAcks(store)
+        acked = held.events
+        held.wait(1)  # a PUBACK waits: committed at once
         _until(loop, lambda: acked == [1])
         assert acked == [1] and _queue_rows(store) == 5
         commits = store.commits
@@ -76,7 +78,7 @@ def test_changes_nobody_waits_for_share_a_later_commit(tmp_path: Path, loop: asy
             store.delivery_deleted("sub", delivery)  # acknowledged by the subscriber: nobody waits
             _turns(loop, 5)
         assert store.commits == commits and _queue_rows(store) == 5  # still waiting to share a commit
-        store.when_durable(lambda: acked.append(2))
+        held.wait(2)
         _until(loop, lambda: acked == [1, 2])
         assert acked == [1, 2]
         assert store.commits == commits + 1 and _queue_rows(store) == 2
@@ -93,8 +95,9 @@ def test_lazy_changes_are_committed_within_lazy_commit(tmp_path: Path, loop: asy
         try:
             delivery = Delivery(Message(1, "t", b"x", 1, False, {}, 0.0), 1)
             store.delivery_saved("sub", delivery)
-            done: list[int] = []
-            store.when_durable(lambda done=done: done.append(1))  # type: ignore[misc]
+            held = HeldAcks(store)
+            done = held.events
+            held.wait(1)
             _until(loop, lambda done=done: done == [1])  # type: ignore[misc]
             assert done == [1]
             store.delivery_deleted("sub", delivery)
@@ -110,8 +113,9 @@ def test_close_commits_lazy_changes(tmp_path: Path, loop: asyncio.AbstractEventL
     store = _open(tmp_path / "store", loop, lazy_commit=10.0)
     delivery = Delivery(Message(1, "t", b"x", 1, False, {}, 0.0), 1)
     store.delivery_saved("sub", delivery)
-    done: list[int] = []
-    store.when_durable(lambda: done.append(1))
+    held = HeldAcks(store)
+    done = held.events
+    held.wait(1)
     _until(loop, lambda: done == [1])
     store.delivery_deleted("sub", delivery)
     _turns(loop, 3)
@@ -128,8 +132,9 @@ def test_close_commits_lazy_changes(tmp_path: Path, loop: asyncio.AbstractEventL
 def _save_and_commit(store: LmdbStore, loop: asyncio.AbstractEventLoop, count: int, size: int) -> None:
     for mid in range(1, count + 1):
         store.delivery_saved("sub", Delivery(Message(mid, "t", b"x" * size, 1, False, {}, 0.0), 1))
-    done: list[int] = []
-    store.when_durable(lambda: done.append(1))
+    held = HeldAcks(store)
+    done = held.events
+    held.wait(1)
     _until(loop, lambda: done == [1])
     assert done == [1]
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from bystanders import QoS1Pair
+from held_acks import HeldAcks
 from helpers import RawClient, wait_until
 
 from gateway.broker.limits import ZoneLimits
@@ -409,14 +410,15 @@ def test_a_waiter_with_nothing_of_its_own_in_a_failed_batch_is_not_refused(tmp_p
     loop, store = _full_store(tmp_path, 64 * 1024 * 1024, 4 * 1024 * 1024)
     events: list[Any] = []
     try:
-        store.when_durable(lambda: events.append("flood acknowledged"),
-                           lambda full: events.append(("flood refused", full)))
+        held = HeldAcks(store)
+        events = held.events
+        held.wait("flood acknowledged", "flood refused")
         with store.map_lock:
             loop.run_until_complete(asyncio.sleep(0))  # this loop turn hands the batch to the writer
             assert store.pending() and events == []
             # A later turn: a bystander's PUBLISH that recorded nothing waits behind the batch in flight.
-            store.when_durable(lambda: events.append("bystander acknowledged"),
-                               lambda full: events.append(("bystander refused", full)))
+            held.new_input()
+            held.wait("bystander acknowledged", "bystander refused")
         assert loop.run_until_complete(_until(lambda: not store.pending(), 30.0))
         assert events == [("flood refused", True), "bystander acknowledged"], events
     finally:
@@ -434,14 +436,16 @@ def test_a_batch_over_max_size_runs_its_failure_callbacks_and_the_store_takes_wo
     loop, store = _full_store(tmp_path, 4 * 1024 * 1024, 256 * 1024)
     events: list[Any] = []
     try:
-        store.when_durable(lambda: events.append("acknowledged"), lambda full: events.append(("refused", full)))
-        store.when_durable(lambda: events.append("acknowledged 2"))  # no on_failure: nothing runs
+        held = HeldAcks(store)
+        events = held.events
+        held.wait("acknowledged", "refused")
+        held.wait("acknowledged 2")  # no refusal: nothing
         assert loop.run_until_complete(_until(lambda: not store.pending(), 10.0))
         assert events == [("refused", True)], events
         assert store.last_write_failed and not store.has_room(None)
         assert loop.run_until_complete(_until(lambda: store.has_room(None), 5.0)), "the store never took work again"
         store.session_saved(Session("t", ZoneLimits(), expiry_interval=NEVER))
-        store.when_durable(lambda: events.append("acknowledged 3"), lambda full: events.append(("refused", full)))
+        held.wait("acknowledged 3", "refused")
         assert loop.run_until_complete(_until(lambda: "acknowledged 3" in events, 5.0)), events
     finally:
         store.close()

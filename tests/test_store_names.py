@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from bystanders import QoS1Pair
+from held_acks import HeldAcks
 from helpers import BrokerProcess, RawClient
 
 from gateway.broker.limits import ZoneLimits
@@ -250,13 +251,15 @@ def test_a_change_that_fails_alone_is_left_out_and_its_owners_reported_the_rest_
         # No key builder makes this one:
         store._record((_PUT, store.tables.subs, store._prefix(long_id) + b"f" * 600, b"\x01" * 8))
         store.retained_saved(Message(3, "t/kept", b"kept", 1, True, {}, 0.0, None, "p"))
+        held = HeldAcks(store)
+        held.events = events
         if mode == "writer thread":
-            store.when_durable(lambda: events.append("acknowledged"))
+            held.wait("acknowledged")
             loop.run_until_complete(_until(lambda: "acknowledged" in events))
         else:
-            store.when_durable(lambda: events.append("acknowledged"))
+            held.wait("acknowledged")
             store._submit_scheduled = False
-            store._schedule()  # commits the batch in this thread, then runs the callback
+            store._schedule()  # commits the batch in this thread, then reports the barrier
         assert events == [("failed", ["careless", long_id]), "acknowledged"], events
         assert store.failed_changes == 2
         sessions = _rows(store, "sessions")
@@ -305,7 +308,7 @@ def test_keys_stay_within_lmdb_limits_and_long_names_load_in_full(tmp_path: Path
             store.delivery_saved(cid, Delivery(Message(10, FILTER_5000, cid.encode()[:50], 1, False, {}, 0.0), 1))
             store.inbound_saved(cid, 5, Message(20, FILTER_5000, b"qos2", 2, False, {}, 0.0, None, cid))
         store.retained_saved(Message(30, RETAINED_5000, b"kept", 1, True, {}, 0.0))
-        store.when_durable(lambda: None)
+        HeldAcks(store).wait(None)
         keys = [k for table in DB_NAMES[2:] for k in _rows(store, table)]
         assert keys and max(map(len, keys)) <= 323 < MAX_KEY
         assert len({k for k in _rows(store, "sessions")}) == 3
@@ -365,7 +368,7 @@ def test_a_format_2_store_with_names_over_160_bytes_is_rewritten_to_format_3_and
         assert rec.name_key(cid) in _rows(store, "sessions")
         store.session_deleted(cid)
         store.retained_deleted(topic)
-        store.when_durable(lambda: None)
+        HeldAcks(store).wait(None)
         assert [len(_rows(store, table)) for table in DB_NAMES[1:7]] == [0] * 6
     finally:
         store.close()

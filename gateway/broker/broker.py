@@ -1,12 +1,13 @@
 """The broker core: an MQTT 3.1.1 + 5.0 broker as a sans-I/O state machine; this module is its dispatcher.
 
 The I/O layer calls :meth:`Broker.open` for a new Network Connection, :meth:`Broker.receive` with the bytes it
-read, :meth:`Broker.connection_lost` when the peer went away and :meth:`Broker.tick` about once a second, always
-with ``now`` (wall-clock seconds, so expiry survives restarts). The broker appends encoded packets to
-``Connection.out`` and records the connection in :attr:`Broker.dirty`; the I/O layer writes each dirty
-connection's output in one call per loop turn and closes those with ``close_after_flush`` (``abort``: at once).
-When ``Connection.pending`` is set after :meth:`receive`, part of the bytes waits (the rest of a long run of
-PUBACKs): the I/O layer writes that connection's output now and calls :meth:`Broker.resume` until it is clear.
+read, :meth:`Broker.connection_lost` when the peer went away, :meth:`Broker.tick` about once a second and
+:meth:`Broker.committed` / :meth:`Broker.failed` with the store's commit reports, always with ``now`` (wall-clock
+seconds, so expiry survives restarts). Each input returns what the I/O layer must do, one
+:class:`~gateway.broker.actions.Action` per connection concerned: the packets to write, a close (after them, or at
+once) with its reason, reading paused until a time. An action with ``more`` set says part of the bytes waits (the
+rest of a long run of PUBACKs): the I/O layer writes that connection's packets now and calls
+:meth:`Broker.resume`; one paused until a time gets :meth:`Broker.pause_over` then.
 
 Each control packet has one handler, in the module of its concept (docs/architecture.md): CONNECT in
 :mod:`~gateway.broker.connect`, PUBLISH in :mod:`~gateway.broker.inbound` (and :mod:`~gateway.broker.qos2`),
@@ -15,8 +16,8 @@ acknowledgements of the Inflight Window in :mod:`~gateway.broker.inflight`, SUBS
 :mod:`~gateway.broker.delivery`, sessions and Wills in :mod:`~gateway.broker.session_lifecycle`, deadlines in
 :mod:`~gateway.broker.timers`, what each protocol level may answer in :mod:`~gateway.broker.reasons`.
 
-Sources: MQTT 3.1.1 and 5.0 (OASIS), seeds 000-004 (Inflight Window, Message Queue, QoS flows, offline
-messages), DESIGN.md §3.
+Sources: MQTT 3.1.1 and 5.0 (OASIS); the Inflight Window, Message Queue, QoS flows and offline messages as
+docs/architecture.md's "Session semantics" gives them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from gateway import __version__
 from gateway.broker import (
     access_decisions,
+    commits,
     connect,
     delivery,
     inbound,
@@ -38,12 +40,13 @@ from gateway.broker import (
     subscribe,
     timers,
 )
+from gateway.broker.actions import NO_ACTIONS, UNTIL_RELEASED, Action
 from gateway.broker.connection_states import AWAITING_CONNECT, CLOSED, CONNECTED, HELD
 from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Message
-from gateway.broker.output import send, send_raw
+from gateway.broker.output import hand_out, send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
 from gateway.broker.session_state import NEVER, Connection
@@ -128,21 +131,46 @@ class Broker(BrokerState):
         self.stats.connections_total += 1
         return conn
 
-    def accepted_at(self, conn: Connection, at: float) -> None:
+    def accepted_at(self, conn: Connection, at: float, cert_cn: str | None = None) -> None:
         """``conn`` was accepted at ``at`` (wall-clock seconds), before :meth:`open` (a TLS handshake or a
-        WebSocket upgrade came first): its CONNECT timeout counts from then."""
+        WebSocket upgrade came first): its CONNECT timeout counts from then. ``cert_cn``: the CN of the client
+        certificate the TLS handshake verified (``use_identity_as_username``)."""
         conn.opened_at = at
+        conn.cert_cn = cert_cn
         self.deadlines.refile(conn, next_check(conn, at))
 
-    def receive(self, conn: Connection, data: bytes, now: float) -> None:
-        """Handle bytes read from ``conn``: decode whole packets and act on each, in order.
+    def receive(self, conn: Connection, data: bytes, now: float) -> list[Action]:
+        """Handle bytes read from ``conn``: decode whole packets and act on each, in order; returns the actions.
 
         A run of more than :data:`~gateway.broker.inflight.ACK_RUN_PART` plain PUBACKs at the start is handled
-        in parts: after the first, ``conn.pending`` is set and the rest (with any bytes after the run) waits for
-        :meth:`resume`, so that the I/O layer can write the messages the first part let into the window."""
+        in parts: after the first, ``conn``'s action says ``more`` and the rest (with any bytes after the run)
+        waits for :meth:`resume`, so that the I/O layer can write the messages the first part let into the window.
+        Past ``max_publish_rate`` a PUBLISH waits for its token with the bytes after it: ``conn``'s action says
+        ``pause_until``. A publisher while a consumer is congested is paused :data:`UNTIL_RELEASED`."""
+        published = self.stats.publish_received
+        self._receive(conn, data, now)
+        actions = hand_out(self) if self.dirty else NO_ACTIONS
+        if conn.pending or conn.deferred is not None or (
+            self.congested and self.stats.publish_received != published and conn.state != CLOSED
+        ):
+            actions = self._reading(conn, actions, published)
+        return actions
+
+    def _read_actions(self, conn: Connection, published: int) -> list[Action]:
+        """The actions of an input that read from ``conn`` (``published``: the PUBLISH count before it), as
+        :meth:`receive` makes them."""
+        actions = hand_out(self)
+        if conn.pending or conn.deferred is not None or (
+            self.congested and self.stats.publish_received != published and conn.state != CLOSED
+        ):
+            actions = self._reading(conn, actions, published)
+        return actions
+
+    def _receive(self, conn: Connection, data: bytes, now: float) -> None:
         if conn.state == CLOSED:
             return
         conn.last_rx = now
+        self.input_owns = False
         self.stats.bytes_received += len(data)
         if conn.deferred is not None:  # max_publish_rate: a PUBLISH waits for its token (one comparison a read)
             waiting = self._deferred(conn, data, now)
@@ -185,6 +213,12 @@ class Broker(BrokerState):
                             raise ProtocolError("a second CONNECT on the same connection [MQTT-3.1.0-2]")
                         raise ProtocolError(f"a client must not send {PACKET_NAMES[packet.TYPE]}")
                     handler(self, conn, packet, now)
+                    if conn.deferred is not None:
+                        # Past max_publish_rate: this PUBLISH waits for its token; the bytes after it stay in the
+                        # reader (PacketReader.feed keeps what it did not yield when closed); the action says
+                        # until when the I/O layer stops reading, then pause_over() goes on.
+                        packets.close()
+                        return
                 elif conn.state == AWAITING_CONNECT:
                     if not isinstance(packet, Connect):
                         self.rlog.info(
@@ -203,12 +237,6 @@ class Broker(BrokerState):
                     conn.held.append(packet)  # handled once the throttled CONNECT is
                 else:
                     return
-        except inbound.ReadPaused as paused:
-            # Past max_publish_rate: this PUBLISH waits for its token; the bytes after it stay in the reader
-            # (PacketReader.feed keeps what it did not yield when closed); the I/O layer stops reading until
-            # conn.paused_until and then calls receive(conn, b"", now).
-            packets.close()
-            conn.deferred = paused.packet
         except UnsupportedProtocolVersion as exc:
             self._unsupported_version(conn, exc, now)
         except MQTTError as exc:
@@ -224,20 +252,57 @@ class Broker(BrokerState):
         conn.deferred_data = b""
         try:
             inbound.on_publish(self, conn, packet, now)
-        except inbound.ReadPaused as paused:
-            conn.deferred = paused.packet
-            conn.deferred_data = waiting
-            return None
         except MQTTError as exc:
             self._protocol_error(conn, exc, now)
             return None
+        if conn.deferred is not None:  # still no token
+            conn.deferred_data = waiting
+            return None
         return waiting if conn.state != CLOSED else None
 
-    def resume(self, conn: Connection, now: float) -> None:
-        """Go on with what :meth:`receive` left pending on ``conn`` (``conn.pending``): the next part of a run of
-        PUBACKs, and after its last part the bytes that followed the run."""
+    def _reading(self, conn: Connection, actions: list[Action], published: int) -> list[Action]:
+        """``conn``'s action with what the I/O layer must do about reading from it: go on with the rest of the
+        bytes first (``more``), wait for a ``max_publish_rate`` token (``pause_until``), or wait while a consumer
+        is congested (a publisher that is not itself congested: :data:`UNTIL_RELEASED`)."""
+        more = conn.pending and conn.state != CLOSED
+        if conn.deferred is not None:
+            pause = conn.paused_until
+        elif self.congested and self.stats.publish_received != published and conn.session not in self.congested:
+            pause = UNTIL_RELEASED
+        else:
+            pause = 0.0
+        if not more and not pause:
+            return actions
+        for i, action in enumerate(actions):
+            if action.conn is conn:
+                actions[i] = action._replace(pause_until=pause, more=more)
+                return actions
+        return [*actions, Action(conn, [], conn.closing, conn.close_reason, pause, more)]
+
+    def holds_back(self, conn: Connection) -> bool:
+        """Whether reading from ``conn``, paused :data:`UNTIL_RELEASED`, must stay paused: some consumer is still
+        congested and ``conn`` is not one of them (a congested consumer's acknowledgements must get through)."""
+        congested = self.congested
+        return bool(congested) and conn.session not in congested and conn.state != CLOSED
+
+    def pause_over(self, conn: Connection, now: float) -> list[Action]:
+        """The ``max_publish_rate`` pause of ``conn`` passed (its action's ``pause_until``): the PUBLISH that
+        waited for its token, then the bytes read after it; the actions (possibly paused again)."""
+        published = self.stats.publish_received
+        self._receive(conn, b"", now)
+        return self._read_actions(conn, published)
+
+    def resume(self, conn: Connection, now: float) -> list[Action]:
+        """Go on with what :meth:`receive` left pending on ``conn`` (its action said ``more``): the next part of a
+        run of PUBACKs, and after its last part the bytes that followed the run; the actions, as :meth:`receive`."""
         if not conn.pending:
-            return
+            return NO_ACTIONS
+        published = self.stats.publish_received
+        self._resume(conn, now)
+        return self._read_actions(conn, published)
+
+    def _resume(self, conn: Connection, now: float) -> None:
+        self.input_owns = False
         pids = conn.pending_acks
         if conn.state == CLOSED:
             pids = _NO_ACKS
@@ -252,18 +317,23 @@ class Broker(BrokerState):
         if pids:
             on_pubacks(self, conn, pids, now)
         if rest and conn.state != CLOSED:
-            self.receive(conn, rest, now)
+            self._receive(conn, rest, now)
 
-    def connection_lost(self, conn: Connection, now: float) -> None:
-        """The Network Connection closed (by the peer, or after the broker asked)."""
+    def connection_lost(self, conn: Connection, now: float) -> list[Action]:
+        """The Network Connection closed (by the peer, or after the broker asked); the actions (its Will, a
+        take-over's consequences, for other connections)."""
         self.connections.pop(conn, None)
         self.deadlines.unschedule(conn)
-        self.dirty.discard(conn)
         self.held.discard(conn)
         conn.pending = False
         if conn.state != CLOSED:
             conn.move_to(CLOSED)
             session_lifecycle.detach(self, conn, now, publish_will=True)
+        dirty = self.dirty
+        if not dirty:
+            return NO_ACTIONS
+        dirty.discard(conn)  # nothing more is written to it
+        return hand_out(self)
 
     def pause_writing(self, conn: Connection, now: float) -> None:
         """The connection's socket write buffer passed ``high_watermark``: QoS 0 messages to it are dropped and
@@ -275,21 +345,25 @@ class Broker(BrokerState):
         if conn.limits.send_timeout:
             self.deadlines.schedule(conn, now + conn.limits.send_timeout)
 
-    def resume_writing(self, conn: Connection, now: float) -> None:
-        """The socket drained below its low-water mark: send what waited."""
+    def resume_writing(self, conn: Connection, now: float) -> list[Action]:
+        """The socket drained below its low-water mark: send what waited; the actions."""
         conn.paused = False
         session = conn.session
         if session is not None and session.conn is conn:
             inflight.pump(self, session, now)
+        return hand_out(self)
 
-    def tick(self, now: float) -> None:
-        """Run every deadline that has passed (:mod:`gateway.broker.timers`) and the ``$SYS`` updates."""
+    def tick(self, now: float) -> list[Action]:
+        """Run every deadline that has passed (:mod:`gateway.broker.timers`) and the ``$SYS`` updates; the
+        actions."""
+        self.input_owns = False
         timers.run(self, now)
         if self.held:
             self._release_held(now)
         if self.settings.sys_interval and now >= self.next_sys:
             self.next_sys = now + self.settings.sys_interval
             self.publish_sys(now)
+        return hand_out(self)
 
     def _release_held(self, now: float) -> None:
         """Handle the CONNECTs the failure throttle held whose delay is over (:func:`.connect.hold`), then the
@@ -319,19 +393,34 @@ class Broker(BrokerState):
         access_decisions.reload(self, rules)
         log.info("access rules reloaded for %d listener(s); %d sessions re-checked", len(rules), len(self.sessions))
 
-    def shutdown(self, now: float) -> None:
-        """Server shutting down: DISCONNECT 0x8B to 5.0 clients, close every connection (MQTT 5.0 §3.14)."""
+    def shutdown(self, now: float) -> list[Action]:
+        """Server shutting down: DISCONNECT 0x8B to 5.0 clients, close every connection (MQTT 5.0 §3.14); the
+        actions."""
         for conn in list(self.connections):
             if conn.state == CONNECTED and conn.version == MQTT_5:
                 send(self, conn, Disconnect(RC.SERVER_SHUTTING_DOWN))
-            session_lifecycle.close(self, conn, now, publish_will=False)
+            session_lifecycle.close(self, conn, now, publish_will=False, reason="server shutting down")
+        return hand_out(self)
 
     # ------------------------------------------------------------------------------------------ from the store
 
-    def store_change_failed(self, client_ids: set[str], now: float) -> None:
+    def committed(self, barrier: int, now: float) -> list[Action]:
+        """The store committed everything recorded before commit barrier ``barrier`` (and so every earlier barrier):
+        the acknowledgements held under them are emitted, in order (:mod:`gateway.broker.commits`); the actions."""
+        commits.committed(self, barrier, now)
+        return hand_out(self)
+
+    def failed(self, barrier: int, full: bool, now: float) -> list[Action]:
+        """The commit holding barrier ``barrier`` (and the earlier ones not yet reported) failed; ``full``: for lack
+        of room (MQTT 5 publishers get 0x97 Quota exceeded, else 0x80). What owns changes in it is refused, the
+        rest acknowledged in order (:mod:`gateway.broker.barriers`); the actions."""
+        commits.failed(self, barrier, full, now)
+        return hand_out(self)
+
+    def store_change_failed(self, client_ids: set[str], now: float) -> list[Action]:
         """The store left changes of these clients out of a commit because they failed on their own (the rest of
         the batch was committed; ``LmdbStore.on_change_failed``). Their connections are closed before that
-        commit's acknowledgements run, so nothing of theirs that was not written is acknowledged (DESIGN.md §4):
+        commit's acknowledgements run, so nothing of theirs that was not written is acknowledged:
         MQTT 5 DISCONNECT 0x80 Unspecified error with a Reason String (MQTT 5.0 §3.14.2.1), 3.1.1 just closed."""
         for client_id in client_ids:
             session = self.sessions.get(client_id)
@@ -346,7 +435,8 @@ class Broker(BrokerState):
             packet = disconnect(conn.version, RC.UNSPECIFIED_ERROR, "the server could not store this client's state")
             if packet is not None:
                 send(self, conn, packet)
-            session_lifecycle.close(self, conn, now, publish_will=True)
+            session_lifecycle.close(self, conn, now, publish_will=True, reason="a change of its state failed to store")
+        return hand_out(self)
 
     def queue_rows_lost(self, client_id: str, seqs: list[int]) -> None:
         """The store did not write these queue rows of ``client_id`` (:func:`.delivery.queue_rows_lost`)."""
@@ -376,7 +466,7 @@ class Broker(BrokerState):
             connack = connack_refusal_packet(conn.version, code, str(exc))
             if connack is not None:
                 send(self, conn, connack)
-        session_lifecycle.close(self, conn, now, publish_will=True)
+        session_lifecycle.close(self, conn, now, publish_will=True, reason=f"{code.name}: {exc}")
 
     def _unsupported_version(self, conn: Connection, exc: UnsupportedProtocolVersion, now: float) -> None:
         if conn.state == CONNECTED:
@@ -389,7 +479,7 @@ class Broker(BrokerState):
         answer = unsupported_version_connack(exc.level)
         if answer is not None:
             send_raw(self, conn, answer[1].encode(answer[0]))
-        session_lifecycle.close(self, conn, now, publish_will=False)
+        session_lifecycle.close(self, conn, now, publish_will=False, reason="unsupported protocol version")
 
     # ------------------------------------------------------------------------------------------ messages
 
@@ -403,13 +493,13 @@ class Broker(BrokerState):
         now: float,
         sender: str | None = None,
         expires_at: float | None = None,
-    ) -> Message:
+    ) -> list[Action]:
         """Publish a message that did not arrive on a client connection (the upstream bridge's downlink and its
-        ``$SYS`` values), routed like any PUBLISH; the I/O layer flushes afterwards. ``sender`` names the origin
-        (``$upstream/<name>`` for the downlink, so the bridge never forwards it back up)."""
+        ``$SYS`` values), routed like any PUBLISH; the actions. ``sender`` names the origin (``$upstream/<name>``
+        for the downlink, so the bridge never forwards it back up)."""
         message = Message(self.new_mid(), topic, payload, qos, retain, properties, now, expires_at, sender)
         router.publish(self, message, now)
-        return message
+        return hand_out(self)
 
     def sys_values(self, now: float) -> dict[str, str]:
         """The ``$SYS/broker/...`` values (Mosquitto's names), as strings."""

@@ -1,10 +1,11 @@
-"""One message to one session (seeds 000, 001, 004): out at once, into the Inflight Window, or into the Message
-Queue; the queue's drop policy as the broker counts and logs it; offline messages and their expiry.
+"""One message to one session (docs/architecture.md, "Session semantics"): out at once, into the Inflight Window,
+or into the Message Queue; the queue's drop policy as the broker counts and logs it; offline messages and their
+expiry.
 
-QoS 0 to an online client bypasses window and queue (seed 001), unless its socket is past ``high_watermark``
-(then it is dropped). For an offline persistent session QoS 1/2 (and QoS 0 with
+QoS 0 to an online client bypasses window and queue (nothing to acknowledge, nothing to keep), unless its socket
+is past ``high_watermark`` (then it is dropped). For an offline persistent session QoS 1/2 (and QoS 0 with
 ``mqueue_store_qos0``) wait in the Message Queue until it resumes, at most ``message_expiry_interval`` unless the
-message carries its own Message Expiry Interval (seed 004).
+message carries its own Message Expiry Interval [MQTT-3.3.2-5].
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def deliver(
     core: BrokerState, session: Session, message: Message, qos: int, retain: bool, sub_ids: list[int], now: float
 ) -> None:
     """Give ``message`` to ``session`` at ``qos``: out now, into the Inflight Window, or into the Message
-    Queue (seed 000: QoS 0 to an online client bypasses both)."""
+    Queue (QoS 0 to an online client bypasses both)."""
     conn = session.conn
     if conn is not None and qos == 0:
         if conn.paused:
@@ -67,7 +68,7 @@ def enqueue(core: BrokerState, session: Session, delivery: Delivery, now: float)
     persistent = session.persistent
     if persistent and delivery.qos == 0 and not core.store.has_room(session.client_id):
         # QoS 0 is never refused to its publisher, so it must not fill a full store and make the writes
-        # of acknowledged work fail (DESIGN.md §4): drop it for the offline session instead.
+        # of acknowledged work fail: drop it for the offline session instead.
         core.stats.dropped["store_full_qos0"] += 1
         return
     mqueue = session.mqueue
@@ -82,7 +83,7 @@ def enqueue(core: BrokerState, session: Session, delivery: Delivery, now: float)
 
 def _queue_drop(core: BrokerState, session: Session, victim: Delivery, reason: str, limit: str, now: float) -> None:
     """Count, forget and log (at most once a minute per client and reason) a message the Message Queue dropped
-    (seed 000)."""
+    (every drop is counted by reason)."""
     if victim.qos == 0:
         reason += "_qos0"
     count = core.stats.dropped[reason] = core.stats.dropped[reason] + 1
@@ -104,7 +105,7 @@ def queue_rows_lost(core: BrokerState, client_id: str, seqs: list[int]) -> None:
     """The store did not write these queue rows of ``client_id`` (their commit failed, or left them out;
     ``seqs`` are store sequence numbers; ``LmdbStore.on_queue_rows_lost``). Their entries
     leave the Message Queue, counted as ``store_write_failed`` (``_qos0``) drops: their publishers are not
-    acknowledged (DESIGN.md §4), and a queue that kept them would page them out as rows the store lacks."""
+    acknowledged (nothing unstored is), and a queue that kept them would page them out as rows the store lacks."""
     session = core.sessions.get(client_id)
     if session is None:
         return
@@ -121,7 +122,7 @@ def queue_rows_lost(core: BrokerState, client_id: str, seqs: list[int]) -> None:
 
 
 def sweep_expired(core: BrokerState, session: Session, now: float) -> None:
-    """Drop the expired messages from an offline session's Message Queue (seed 004)."""
+    """Drop the expired messages from an offline session's Message Queue [MQTT-3.3.2-5]."""
     removed = session.mqueue.remove_if(lambda d: d.expires_at is not None and now >= d.expires_at)
     if removed:
         core.stats.dropped["expired"] += len(removed)

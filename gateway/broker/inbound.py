@@ -1,12 +1,14 @@
 """A client's PUBLISH (MQTT 5.0 §3.3): Topic Aliases, the checks that refuse it (Receive Maximum, payload format,
 ``$SYS``, ``max_topic_levels``, a full store), the Application Message made once, routed, and acknowledged once
-everything it caused is durable (DESIGN.md §4): PUBACK for QoS 1, PUBREC for QoS 2 (:mod:`gateway.broker.qos2`).
+everything it caused is durable (docs/architecture.md, "The durability contract"): PUBACK for QoS 1, PUBREC for
+QoS 2 (:mod:`gateway.broker.qos2`).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from typing import Any
 
+from gateway.broker.barriers import ACK_PUBACK, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
 from gateway.broker.message import Message, is_utf8
@@ -28,15 +30,6 @@ from gateway.mqtt.topics import require_topic, topic_name_error
 _STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 
 
-class ReadPaused(Exception):
-    """``max_publish_rate``: ``packet`` (a PUBLISH) waits for a token; :meth:`Broker.receive` keeps it and the bytes
-    after it until ``Connection.paused_until`` (not an error: nothing is sent, nothing closed)."""
-
-    def __init__(self, packet: Publish) -> None:
-        super().__init__("max_publish_rate")
-        self.packet = packet
-
-
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
     """PUBLISH ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT 5.0's
     numbering.
@@ -47,46 +40,26 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     Response Topic [MQTT-3.3.2-14], Receive Maximum (one QoS 1/2 PUBLISH too many: DISCONNECT 0x93
     [MQTT-3.3.4-7]), ``$SYS`` and the write ACL (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` /
     ``max_topic_length`` (0x90), store room for persistent work (0x97; 3.1.1: no acknowledgement, disconnect).
+    The steps: :func:`spend_publish_token`, :func:`_topic_alias_and_properties` (5.0 with properties),
+    :func:`_refused`, :func:`_retain` (RETAIN=1), then the Message routed and acknowledged per QoS.
 
     Output: the :class:`~gateway.broker.message.Message` routed (:func:`gateway.broker.router.publish`), for QoS 2
     kept under its Packet Identifier until PUBREL instead (:mod:`gateway.broker.qos2`); PUBACK / PUBREC (5.0:
-    0x10 No matching subscribers when nobody took it) once what the message caused is durable
-    (``store.when_durable``, DESIGN.md §4), or 0x97 / a disconnect when that commit fails. Errors:
+    0x10 No matching subscribers when nobody took it) once what the message caused is durable (held under a
+    commit barrier, :mod:`gateway.broker.barriers`), or 0x97 / a disconnect when that commit fails. Errors:
     :class:`~gateway.mqtt.errors.ProtocolError` (the caller closes the connection with its Reason Code).
     """
     session = conn.session
     assert session is not None
     limits = conn.limits
     rate = limits.max_publish_rate
-    if rate:
-        spend_publish_token(core, conn, p, rate, now)
+    if rate and not spend_publish_token(core, conn, p, rate, now):
+        return  # waits for its token (conn.deferred)
     topic = p.topic
     props = p.properties
     v5 = conn.version == MQTT_5
     if v5 and props:
-        alias = props.get(P.TOPIC_ALIAS)
-        if alias is not None:
-            if alias > limits.topic_alias_maximum:
-                raise MQTTError(
-                    RC.TOPIC_ALIAS_INVALID,
-                    f"Topic Alias {alias} above the Topic Alias Maximum "
-                    f"{limits.topic_alias_maximum} [MQTT-3.3.2-9]",
-                )
-            if topic:
-                aliases_in_for_write(conn)[alias] = topic
-            else:
-                known = conn.aliases_in.get(alias)
-                if known is None:
-                    raise ProtocolError(f"Topic Alias {alias} used before it was set (MQTT 5.0 §3.3.2.3.4)")
-                topic = known
-        if P.SUBSCRIPTION_IDENTIFIER in props:
-            raise ProtocolError("a PUBLISH from a Client must not carry a Subscription Identifier [MQTT-3.3.4-6]")
-        if alias is not None:
-            props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
-        response_topic = props.get(P.RESPONSE_TOPIC)
-        # One pass, as before: topic_name_error holds the MQTT-4.7.3-1 rule too (no second call per message).
-        if response_topic is not None and (bad := topic_name_error(response_topic)):
-            raise ProtocolError(f"Response Topic {response_topic!r}: {bad} [MQTT-3.3.2-14]")
+        topic, props = _topic_alias_and_properties(conn, topic, props)
     if not topic:
         require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
     qos = p.qos
@@ -104,42 +77,14 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             f"more than Receive Maximum ({limits.max_awaiting_rel}) QoS 1/2 PUBLISH "
             "awaiting acknowledgement [MQTT-3.3.4-7]",
         )
-    if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
-        reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
+    if _refused(core, conn, p, topic, v5, props):
         return
-    acl = session.acl  # None without an acl_file: one comparison, nothing else
-    if acl is not None and not acl.may_publish(topic):
-        # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
-        # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
-        reject(core, conn, p, RC.NOT_AUTHORIZED, "not allowed by the acl_file", counter="acl_denied")
-        return
-    if topic[0] == "$" and (topic == "$SYS" or topic.startswith("$SYS/")):
-        reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
-        return
-    max_levels = limits.max_topic_levels
-    max_len = limits.max_topic_length
-    # Pre-filter so the common topic costs two comparisons; topic_limit_error decides (as for SUBSCRIBE, Wills).
-    if (max_levels and topic.count("/") >= max_levels) or (max_len and 4 * len(topic) > max_len):
-        limited = topic_limit_error(topic, limits)
-        if limited is not None:
-            reject(core, conn, p, RC.TOPIC_NAME_INVALID, limited[1], counter=limited[0])
-            return
     retain = p.retain
     if retain:
-        if not core.settings.retain_available:
-            raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
-        settings = core.settings
-        limit = core.retained.refusal(topic, p.payload, settings.max_retained_messages, settings.max_retained_bytes)
-        if limit is not None:
-            text = f"{limit} = {getattr(settings, limit)} reached"
-            if qos and v5:
-                reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
-                return
-            # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained.
-            retain = False
-            core.stats.refused[limit] += 1
-            core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
-                              conn.peer, conn.client_id, topic[:200], text)
+        kept = _retain(core, conn, p, topic, v5, now)
+        if kept is None:
+            return  # refused
+        retain = kept
     if qos and not core.store.has_room(conn.client_id):
         refuse_unstored(core, conn, p, True, now)
         return
@@ -159,20 +104,102 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         publish(core, message, now)
     elif qos == 1:
         matched = publish(core, message, now)
-        conn.inbound_pending += 1
         reason = 0 if matched else PUBACK_NO_MATCHING[conn.version]
-        committed = partial(_qos1_committed, core, conn, p, reason, now)
-        core.store.when_durable(committed, committed)
+        if hold(core, ACK_PUBACK, conn, p, reason):
+            puback(core, conn, p, reason)  # nothing to wait for (a memory store)
+        else:
+            conn.inbound_pending += 1
     else:
-        received(core, conn, session, pid, message, now, partial(_failed, core, conn, p, now))  # type: ignore[arg-type]
+        received(core, conn, session, p, message, now)
 
 
-def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> None:
+def _topic_alias_and_properties(conn: Connection, topic: str, props: dict[int, Any]) -> tuple[str, dict[int, Any]]:
+    """A 5.0 PUBLISH's Topic Alias and properties: the alias set or resolved, per connection (beyond the Topic
+    Alias Maximum [MQTT-3.3.2-9]: 0x94; used before it was set: Protocol Error), no Subscription Identifier from a
+    client [MQTT-3.3.4-6], the Response Topic [MQTT-3.3.2-14]. Returns the Topic Name and the properties to carry
+    on (without the alias)."""
+    limits = conn.limits
+    alias = props.get(P.TOPIC_ALIAS)
+    if alias is not None:
+        if alias > limits.topic_alias_maximum:
+            raise MQTTError(
+                RC.TOPIC_ALIAS_INVALID,
+                f"Topic Alias {alias} above the Topic Alias Maximum {limits.topic_alias_maximum} [MQTT-3.3.2-9]",
+            )
+        if topic:
+            aliases_in_for_write(conn)[alias] = topic
+        else:
+            known = conn.aliases_in.get(alias)
+            if known is None:
+                raise ProtocolError(f"Topic Alias {alias} used before it was set (MQTT 5.0 §3.3.2.3.4)")
+            topic = known
+    if P.SUBSCRIPTION_IDENTIFIER in props:
+        raise ProtocolError("a PUBLISH from a Client must not carry a Subscription Identifier [MQTT-3.3.4-6]")
+    if alias is not None:
+        props = {k: v for k, v in props.items() if k not in _STRIP_ON_RECEIVE}
+    response_topic = props.get(P.RESPONSE_TOPIC)
+    # One pass: topic_name_error holds the MQTT-4.7.3-1 rule too (no second call per message).
+    if response_topic is not None and (bad := topic_name_error(response_topic)):
+        raise ProtocolError(f"Response Topic {response_topic!r}: {bad} [MQTT-3.3.2-14]")
+    return topic, props
+
+
+def _refused(core: BrokerState, conn: Connection, p: Publish, topic: str, v5: bool, props: dict[int, Any]) -> bool:
+    """The checks that refuse one PUBLISH and keep the connection: the Payload Format Indicator (0x99), the write
+    ACL and ``$SYS`` (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` / ``max_topic_length`` (0x90). True
+    when refused (:func:`reject`)."""
+    if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
+        reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
+        return True
+    acl = conn.session.acl  # type: ignore[union-attr]  # None without an acl_file: one comparison, nothing else
+    if acl is not None and not acl.may_publish(topic):
+        # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
+        # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
+        reject(core, conn, p, RC.NOT_AUTHORIZED, "not allowed by the acl_file", counter="acl_denied")
+        return True
+    if topic[0] == "$" and (topic == "$SYS" or topic.startswith("$SYS/")):
+        reject(core, conn, p, RC.NOT_AUTHORIZED, "clients may not publish to $SYS topics")
+        return True
+    limits = conn.limits
+    max_levels = limits.max_topic_levels
+    max_len = limits.max_topic_length
+    # Pre-filter so the common topic costs two comparisons; topic_limit_error decides (as for SUBSCRIBE, Wills).
+    if (max_levels and topic.count("/") >= max_levels) or (max_len and 4 * len(topic) > max_len):
+        limited = topic_limit_error(topic, limits)
+        if limited is not None:
+            reject(core, conn, p, RC.TOPIC_NAME_INVALID, limited[1], counter=limited[0])
+            return True
+    return False
+
+
+def _retain(core: BrokerState, conn: Connection, p: Publish, topic: str, v5: bool, now: float) -> bool | None:
+    """Whether a PUBLISH with RETAIN=1 is retained: Retain Available (else 0x9A, a Protocol Error of the client),
+    ``max_retained_messages`` / ``max_retained_bytes``: past them a 5.0 QoS 1/2 PUBLISH is refused (0x97, None),
+    any other is delivered but not retained (False)."""
+    settings = core.settings
+    if not settings.retain_available:
+        raise MQTTError(RC.RETAIN_NOT_SUPPORTED, "retained messages are not supported (MQTT 5.0 §3.2.2.3.5)")
+    limit = core.retained.refusal(topic, p.payload, settings.max_retained_messages, settings.max_retained_bytes)
+    if limit is None:
+        return True
+    text = f"{limit} = {getattr(settings, limit)} reached"
+    if p.qos and v5:
+        reject(core, conn, p, RC.QUOTA_EXCEEDED, "retained message refused: " + text, counter=limit)
+        return None
+    # QoS 0 (and 3.1.1, which cannot refuse): delivered, not retained.
+    core.stats.refused[limit] += 1
+    core.rlog.warning(now, peer_host(conn.peer), limit, "%s (%s): PUBLISH to %r delivered but not retained: %s",
+                      conn.peer, conn.client_id, topic[:200], text)
+    return False
+
+
+def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: float, now: float) -> bool:
     """``max_publish_rate``: take one token from ``conn``'s bucket (``rate`` tokens a second, holding at most one
-    second's worth, at least 1). Without one, ``p`` waits: ``conn.paused_until`` is set to when the token is
-    there and :class:`ReadPaused` raised; the broker keeps ``p`` and the bytes after it, the I/O layer stops
-    reading from the connection until then (Mosquitto and EMQX throttle the same way, never disconnect). Each
-    pause is counted (``$SYS/broker/refused/max_publish_rate``) and logged at most once a minute per address."""
+    second's worth, at least 1); True when there was one. Without one, ``p`` waits: it becomes ``conn.deferred``
+    and ``conn.paused_until`` is set to when the token is there; the broker keeps ``p`` and the bytes after it,
+    and its action tells the I/O layer to stop reading from the connection until then (Mosquitto and EMQX
+    throttle the same way, never disconnect). Each pause is counted (``$SYS/broker/refused/max_publish_rate``)
+    and logged at most once a minute per address."""
     tokens = conn.tokens + (now - conn.tokens_at) * rate
     burst = rate if rate > 1.0 else 1.0
     if tokens > burst:
@@ -180,7 +207,7 @@ def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: f
     conn.tokens_at = now
     if tokens > 0.999999:  # 1, give or take the rounding of (now - tokens_at) * rate
         conn.tokens = max(tokens - 1.0, 0.0)
-        return
+        return True
     conn.tokens = tokens
     if conn.paused_until <= now:  # a new pause, not a resume that came a little early
         core.stats.refused["max_publish_rate"] += 1
@@ -188,15 +215,17 @@ def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: f
                           "%s (%s): more than max_publish_rate = %g PUBLISH/s; reading paused", conn.peer,
                           conn.client_id, rate)
     conn.paused_until = now + (1.0 - tokens) / rate
-    raise ReadPaused(p)
+    conn.deferred = p
+    return False
 
 
-def _failed(
-    core: BrokerState, conn: Connection, p: Publish, now: float, entry: tuple[Message, float] | None, full: bool
+def refused(
+    core: BrokerState, conn: Connection, p: Publish, entry: tuple[Message, float] | None, full: bool, now: float
 ) -> None:
-    """The store could not commit what a QoS 1/2 PUBLISH caused (``when_durable``'s ``on_failure``; ``full``:
-    for lack of room): refuse it instead of leaving the publisher waiting (DESIGN.md §4). The Receive Maximum
-    count is given back, and a QoS 2 identifier is released so that the client's retry is taken as new."""
+    """The store could not commit what a QoS 1/2 PUBLISH caused (its barrier failed; ``full``: for lack of room):
+    refuse it instead of leaving the publisher waiting (docs/architecture.md, "The durability contract"). The
+    Receive Maximum count is given back, and a QoS 2 identifier (held as ``entry``) is released so that the
+    client's retry is taken as new."""
     if p.qos == 1:
         conn.inbound_pending -= 1
     elif conn.session is not None and conn.session.awaiting_rel.get(p.packet_id) is entry:  # type: ignore[arg-type]
@@ -205,7 +234,7 @@ def _failed(
 
 
 def refuse_unstored(core: BrokerState, conn: Connection, p: Publish, full: bool, now: float) -> None:
-    """Refuse a QoS 1/2 PUBLISH that cannot be made durable (DESIGN.md §4): MQTT 5 PUBACK/PUBREC 0x97 Quota
+    """Refuse a QoS 1/2 PUBLISH that cannot be made durable: MQTT 5 PUBACK/PUBREC 0x97 Quota
     exceeded when the store or its disk is full (else 0x80 Unspecified error, MQTT 5.0 §3.4.2.1); 3.1.1 has no
     way to refuse, so the publisher is not acknowledged and is disconnected. Counted per message in
     ``$SYS/broker/messages/dropped/store_full`` (``store_error``); logged at most once a minute per client
@@ -230,7 +259,7 @@ def refuse_unstored(core: BrokerState, conn: Connection, p: Publish, full: bool,
         "store full" if full else "store write failed",
         p.qos,
     )
-    close(core, conn, now, publish_will=False)
+    close(core, conn, now, publish_will=False, reason="a QoS 1/2 PUBLISH could not be stored (3.1.1 cannot refuse)")
 
 
 def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: str, counter: str | None = None) -> None:
@@ -254,23 +283,18 @@ def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: st
         send(core, conn, PubRec(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
 
 
-def _qos1_committed(
-    core: BrokerState, conn: Connection, p: Publish, reason: int, now: float, full: bool | None = None
-) -> None:
-    """The commit a QoS 1 PUBLISH waited for, as ``when_durable``'s callback and its ``on_failure`` both (one
-    object per PUBLISH instead of two: 1,800 of ~77,000 CPU instructions per durable publish).
-
-    Called without ``full``: the work is durable, PUBACK with ``reason`` (DESIGN.md §4); the common one (reason 0,
-    MQTT 5.0 §3.4.2.1: then the Reason Code may be left out) as its 4 bytes
-    (:func:`~gateway.broker.output.send_ack`). Called with ``full`` (the commit failed; True: for lack of room):
-    refused as :func:`_failed` says."""
-    if full is not None:
-        _failed(core, conn, p, now, None, full)
-        return
-    conn.inbound_pending -= 1
+def puback(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None:
+    """PUBACK a QoS 1 PUBLISH whose work is durable, with ``reason``; the common one (0, MQTT 5.0 §3.4.2.1: then the
+    Reason Code may be left out) as its 4 bytes (:func:`~gateway.broker.output.send_ack`)."""
     if conn.state != CONNECTED:
         return
     if reason:
         send(core, conn, PubAck(p.packet_id, reason))  # type: ignore[arg-type]
     else:
         send_ack(core, conn, PUBACK_BYTE, p.packet_id)  # type: ignore[arg-type]
+
+
+def puback_committed(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None:
+    """The barrier a QoS 1 PUBLISH's PUBACK was held under is committed: PUBACK it (:func:`puback`)."""
+    conn.inbound_pending -= 1
+    puback(core, conn, p, reason)

@@ -1,4 +1,5 @@
-"""The Inflight Window (seeds 000-002): QoS 1/2 messages sent to a client and not yet acknowledged.
+"""The Inflight Window: QoS 1/2 messages sent to a client and not yet acknowledged (docs/architecture.md,
+"Session semantics").
 
 Its length is ``Connection.window``: ``max_inflight`` capped by an MQTT 5 client's Receive Maximum
 (:meth:`~gateway.broker.limits.ZoneLimits.window`). A message enters with a fresh Packet Identifier
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from gateway.broker.barriers import ACK_PUBREL, ACK_SEND, ACK_SEND_QOS0, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import AWAIT_COMP, Delivery
 from gateway.broker.output import PUBREL_BYTE, send, send_ack, write_publish
@@ -33,7 +35,7 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
 
     For a persistent session the Packet Identifier is recorded first; a QoS 2 PUBLISH goes out only once
     that is durable, so that after a crash the same identifier is re-sent and the receiver can recognise
-    the duplicate (exactly once end to end, DESIGN.md §4)."""
+    the duplicate (exactly once end to end)."""
     inflight = session.inflight
     pid = session.next_packet_id
     if pid in inflight:
@@ -45,16 +47,12 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
     inflight[pid] = delivery
     if session.persistent:
         core.store.delivery_saved(session.client_id, delivery)  # in flight, to re-send with DUP=1
-        if delivery.qos == 2 or session.held_sends:
-            # QoS 2 waits for that record; anything behind a held send waits too (FIFO, seed 000). A QoS 1
-            # PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows.
+        # QoS 2 waits for that record; anything behind a held send waits too (the window delivers in order). A
+        # QoS 1 PUBLISH otherwise goes out at once: re-sent after a crash, it is a duplicate QoS 1 allows. Also sent
+        # when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is only that a
+        # crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
+        if (delivery.qos == 2 or session.held_sends) and not hold(core, ACK_SEND, conn, session, delivery):
             session.held_sends += 1
-            # Also sent when the commit fails (a full disk): the subscriber is served meanwhile; what is lost is
-            # only that a crash before the next commit may re-send this QoS 2 PUBLISH under a new identifier.
-            core.store.when_durable(
-                lambda: _send_durable(core, session, conn, delivery, now),
-                lambda _full: _send_durable(core, session, conn, delivery, now),
-            )
             return
     if not write_publish(
         core, conn, delivery.message, delivery.qos, delivery.retain, pid, False, delivery.sub_ids, now
@@ -62,7 +60,9 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
         finish(core, session, delivery)
 
 
-def _send_durable(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+def send_held(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    """A PUBLISH held until its Packet Identifier was recorded (:func:`send_new`): send it now, if it is still in
+    the window of this connection."""
     session.held_sends -= 1
     if conn.state != CONNECTED or session.inflight.get(delivery.packet_id) is not delivery:
         return
@@ -72,14 +72,15 @@ def _send_durable(core: BrokerState, session: Session, conn: Connection, deliver
         finish(core, session, delivery)
 
 
-def _send_held_qos0(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+def send_held_qos0(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:
+    """A QoS 0 PUBLISH queued behind a held send (:func:`pump`): send it now."""
     session.held_sends -= 1
     if conn.state == CONNECTED:
         write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
 
 
 def pump(core: BrokerState, session: Session, now: float) -> None:
-    """Move queued messages into the Inflight Window while it has room, FIFO (seed 000). Deliveries of the
+    """Move queued messages into the Inflight Window while it has room, FIFO. Deliveries of the
     window not yet re-sent on this connection (:attr:`Session.unsent`) go first, so that no more than the
     window's length is ever unacknowledged on the connection [MQTT-3.3.4-9]."""
     conn = session.conn
@@ -101,12 +102,11 @@ def pump(core: BrokerState, session: Session, now: float) -> None:
             continue
         if delivery.qos == 0:
             if persistent and session.held_sends:
-                # Behind a QoS 2 PUBLISH still waiting for its commit (FIFO, seed 000).
-                session.held_sends += 1
-                store.when_durable(
-                    lambda d=delivery: _send_held_qos0(core, session, conn, d, now),
-                    lambda _full, d=delivery: _send_held_qos0(core, session, conn, d, now),
-                )
+                # Behind a QoS 2 PUBLISH still waiting for its commit (the window delivers in order).
+                if hold(core, ACK_SEND_QOS0, conn, session, delivery):
+                    write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
+                else:
+                    session.held_sends += 1
                 store.delivery_deleted(session.client_id, delivery)
             elif persistent:
                 write_publish(core, conn, delivery.message, 0, delivery.retain, 0, False, delivery.sub_ids, now)
@@ -197,7 +197,7 @@ def on_completion(core: BrokerState, conn: Connection, p: PubAck | PubComp, now:
 
 def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
     """A part of a run of plain PUBACKs (Reason Code 0) read in one go (at most :data:`ACK_RUN_PART`): each
-    ends its QoS 1 delivery as :func:`on_completion` does, then the window is refilled once (FIFO, seed 000)."""
+    ends its QoS 1 delivery as :func:`on_completion` does, then the window is refilled once (FIFO)."""
     conn.last_ack_at = now
     session = conn.session
     assert session is not None
@@ -217,7 +217,7 @@ def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float)
 
 def on_pubcomps(core: BrokerState, conn: Connection, pids: list[int], now: float) -> None:
     """A run of plain PUBCOMPs read in one go (``PacketReader.leading_acks``): each ends its QoS 2 delivery as
-    :func:`on_completion` does, then the window is refilled once (FIFO, seed 000)."""
+    :func:`on_completion` does, then the window is refilled once (FIFO)."""
     conn.last_ack_at = now
     session = conn.session
     assert session is not None
@@ -266,6 +266,6 @@ def pubrec(core: BrokerState, conn: Connection, pid: int, reason: int, now: floa
             # PUBREC received must be durable before PUBREL goes out: after a crash the broker then
             # re-sends PUBREL, never the PUBLISH (exactly once, MQTT 5.0 §4.3.3).
             core.store.delivery_saved(session.client_id, delivery)
-            core.store.when_durable(lambda: send_ack(core, conn, PUBREL_BYTE, pid) if conn.state == CONNECTED else None)
-            return
+            if not hold(core, ACK_PUBREL, conn, pid):
+                return
     send_ack(core, conn, PUBREL_BYTE, pid)

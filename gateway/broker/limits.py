@@ -1,7 +1,8 @@
 """Per-listener (zone) limits and broker-wide settings, with EMQX's names and defaults.
 
-Durations are seconds (``float``/``int``); sizes are bytes; lengths are messages. Source: seeds 000-004 and
-DESIGN.md §3 (``max_inflight`` 32 external / 128 internal, ``max_mqueue_len`` 1000 / 10000, ...).
+Durations are seconds (``float``/``int``); sizes are bytes; lengths are messages. The defaults per zone
+are docs/architecture.md's "Session semantics" (``max_inflight`` 32 external / 128 internal, ``max_mqueue_len``
+1000 / 10000, ...).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ class ZoneLimits:
 
     Attributes:
         max_inflight: Inflight Window length, messages; 0 = no limit (then 65535, the MQTT maximum);
-            an MQTT 5 client's Receive Maximum caps it (seed 000).
+            an MQTT 5 client's Receive Maximum caps it.
         max_mqueue_len: Message Queue length, messages; 0 = no limit. When full the oldest message is
-            dropped, a QoS 0 one first (seed 000).
+            dropped, a QoS 0 one first (the new one is still queued).
         max_mqueue_bytes: per-client quota on the payload bytes its Message Queue holds; 0 = no limit. Over it
             the oldest message is dropped by the same policy, so one slow client cannot fill the store.
-        mqueue_store_qos0: queue QoS 0 messages for an offline persistent session (seed 000).
+        mqueue_store_qos0: queue QoS 0 messages for an offline persistent session (default true).
         retry_interval: seconds after which an unacknowledged PUBLISH is re-sent with DUP=1 to a 3.1.1
             client in the same connection; 0 = only on reconnect. Never used for 5.0 [MQTT-4.4.0-1].
         max_awaiting_rel: inbound QoS 2 messages awaiting PUBREL per client; also the Receive Maximum the
@@ -31,7 +32,7 @@ class ZoneLimits:
         session_expiry_interval: longest Session Expiry Interval, seconds, granted to a 5.0 client, and the
             expiry of a 3.1.1 Clean Session = 0 session; 0 = sessions end on disconnect.
         message_expiry_interval: seconds a queued message waits for an offline client when the publisher gave
-            no Message Expiry Interval; 0 = never expires (seed 004).
+            no Message Expiry Interval; 0 = never expires (an MQTT 5 Message Expiry Interval wins).
         max_packet_size: largest packet accepted from a client, bytes (MQTT 5.0 Maximum Packet Size).
         topic_alias_maximum: Topic Alias Maximum announced to 5.0 clients (inbound aliases); 0 = none.
         connect_timeout: seconds a new connection may take to send its CONNECT.
@@ -86,7 +87,8 @@ class ZoneLimits:
     max_publish_rate: float = 0.0
 
     def window(self, receive_maximum: int | None) -> int:
-        """The Inflight Window length for a client: ``max_inflight`` capped by its Receive Maximum (seed 000)."""
+        """The Inflight Window length for a client: ``max_inflight`` capped by its Receive Maximum (MQTT 5.0
+        §3.1.2.11.3)."""
         limit = self.max_inflight or 65535
         if receive_maximum is not None and receive_maximum < limit:
             return receive_maximum
@@ -106,7 +108,7 @@ def topic_limit_error(topic: str, limits: ZoneLimits) -> tuple[str, str] | None:
     return None
 
 
-#: EMQX's defaults for the two zones (seed 000): the external listener faces untrusted apps, the internal
+#: EMQX's defaults for the two zones: the external listener faces untrusted apps, the internal
 #: one (loopback, firmware-bridge) carries the gateway's own bulk traffic.
 EXTERNAL = ZoneLimits()
 INTERNAL = replace(EXTERNAL, max_inflight=128, max_mqueue_len=10000)

@@ -1,7 +1,7 @@
 """Application Messages and their per-subscriber deliveries.
 
 A :class:`Message` is stored once; every :class:`Delivery` (queue entry or Inflight Window slot) references it
-(DESIGN.md §4: payloads are stored once and referenced).
+(payloads are stored once and referenced, in memory as in the store).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Delivery:
     """One message on its way to one session: a Message Queue entry, then an Inflight Window slot.
 
     Attributes:
-        qos: delivered QoS = min(publish QoS, subscription QoS) (seed 003).
+        qos: delivered QoS = min(publish QoS, subscription QoS) (MQTT 5.0 §3.8.4).
         retain: the RETAIN flag to send (Retain As Published, MQTT 5.0 §3.3.1.3).
         sub_ids: Subscription Identifiers of the matching subscriptions [MQTT-3.3.4-3].
         packet_id: assigned when the delivery enters the Inflight Window.

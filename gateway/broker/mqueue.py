@@ -1,9 +1,9 @@
-"""The Message Queue of one session (seeds 000-002, DESIGN.md §3), with paging to the store.
+"""The Message Queue of one session (docs/architecture.md, "Session semantics"), with paging to the store.
 
 Messages wait here, FIFO, while the Inflight Window is full or the client is offline. ``max_len`` bounds it
 (0 = no limit); when full, the new message is still queued and the oldest is dropped, a QoS 0 message first
-if the queue holds any ("If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first",
-seed 002). Dropping is O(1): QoS 0 entries are also indexed in their own FIFO and removed lazily.
+if the queue holds any (EMQX's policy: QoS 0 messages are discarded first, they were never promised
+delivery). Dropping is O(1): QoS 0 entries are also indexed in their own FIFO and removed lazily.
 
 Paging (persistent sessions on a store that offers a :class:`~gateway.broker.queue_pager.QueuePager`): a queue already
 holding ``mem_len`` entries in memory keeps further entries only in the store once their rows are committed, and

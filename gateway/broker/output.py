@@ -1,16 +1,35 @@
 """Packets onto a connection's output: encode, respect the client's Maximum Packet Size, queue the bytes on
-``Connection.out`` and mark the connection dirty for the I/O layer (which writes each dirty connection once per
-loop turn). A PUBLISH is encoded once per (Protocol Level, QoS, RETAIN) variant and reused for every subscriber."""
+``Connection.out`` and mark the connection dirty; at the end of each input the output is handed out as the
+input's actions (:func:`hand_out`), which the I/O layer performs. A PUBLISH is encoded once per (Protocol Level,
+QoS, RETAIN) variant and reused for every subscriber."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway.broker.actions import NO_ACTIONS, Action
 from gateway.broker.message import Message
 from gateway.broker.session_state import Connection, aliases_out_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5, encode_publish_parts
 from gateway.mqtt.properties import PropertyId as P
+
+
+def hand_out(core: BrokerState) -> list[Action]:
+    """The actions of the input just handled: each connection with packets to write or a close, its packets
+    handed over (the connection gets a new list)."""
+    dirty = core.dirty
+    if not dirty:
+        return NO_ACTIONS
+    new = tuple.__new__
+    actions = []
+    for conn in dirty:
+        out = conn.out
+        if out:
+            conn.out = []
+        actions.append(new(Action, (conn, out, conn.closing, conn.close_reason, 0.0, False)))
+    dirty.clear()
+    return actions
 
 
 def send(core: BrokerState, conn: Connection, packet: Any) -> None:

@@ -1,4 +1,4 @@
-"""The QoS 2 receiver (seed 003, "method B"; MQTT 5.0 §4.3.3): the broker keeps an inbound QoS 2 message and
+"""The QoS 2 receiver ("method B" of MQTT 5.0 §4.3.3): the broker keeps an inbound QoS 2 message and
 its Packet Identifier, answers PUBREC once that is durable, treats a repeat of the identifier as a duplicate
 (PUBREC again, no second copy), routes the message onward on PUBREL, then forgets the identifier and sends
 PUBCOMP; a PUBREL for an identifier it does not know still gets PUBCOMP (5.0: 0x92). ``max_awaiting_rel`` bounds
@@ -8,8 +8,7 @@ their age.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from gateway.broker.barriers import ACK_PUBCOMP, ACK_PUBREC, ACK_PUBREC_AGAIN, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.message import Message
 from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
@@ -17,20 +16,13 @@ from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.router import publish
 from gateway.broker.session_state import Connection, Session, awaiting_rel_for_write
 from gateway.broker.state import BrokerState
-from gateway.mqtt.packets import PubComp, PubRel
+from gateway.mqtt.packets import PubComp, Publish, PubRel
 
 
-def received(
-    core: BrokerState,
-    conn: Connection,
-    session: Session,
-    pid: int,
-    message: Message,
-    now: float,
-    on_failure: Callable[[tuple[Message, float], bool], None],
-) -> None:
-    """Keep a new QoS 2 ``message`` under ``pid`` until its PUBREL, and PUBREC it once that is durable
-    (``on_failure(entry, full)`` when the commit fails)."""
+def received(core: BrokerState, conn: Connection, session: Session, p: Publish, message: Message, now: float) -> None:
+    """Keep a new QoS 2 ``message`` (of PUBLISH ``p``) under its Packet Identifier until its PUBREL, and PUBREC it
+    once that is durable (held as :attr:`~gateway.broker.barriers.ACK_PUBREC`: refused if the commit fails)."""
+    pid: int = p.packet_id  # type: ignore[assignment]
     awaiting = awaiting_rel_for_write(session)
     entry = awaiting[pid] = (message, now)
     timeout = session.limits.await_rel_timeout
@@ -39,13 +31,17 @@ def received(
         core.deadlines.schedule(conn, now + timeout)
     if session.persistent:
         core.store.inbound_saved(session.client_id, pid, message)
-    core.store.when_durable(lambda: pubrec(core, conn, pid), lambda full: on_failure(entry, full))
+    if hold(core, ACK_PUBREC, conn, p, entry):
+        pubrec(core, conn, pid)
 
 
 def duplicate(core: BrokerState, conn: Connection, pid: int) -> None:
-    """A re-sent QoS 2 PUBLISH for an identifier awaiting PUBREL: PUBREC again, no second copy (seed 003)."""
+    """A re-sent QoS 2 PUBLISH for an identifier awaiting PUBREL: PUBREC again, no second copy (the receiver keeps
+    the identifier until PUBREL, MQTT 5.0 §4.3.3 "method B"). Held behind the first one's record, and withheld if
+    that fails (the identifier is released then)."""
     core.stats.dropped["qos2_duplicate"] += 1
-    core.store.when_durable(lambda: pubrec(core, conn, pid))
+    if hold(core, ACK_PUBREC_AGAIN, conn, pid, own=True):
+        pubrec(core, conn, pid)
 
 
 def pubrec(core: BrokerState, conn: Connection, pid: int) -> None:
@@ -84,11 +80,24 @@ def pubrel(core: BrokerState, conn: Connection, pid: int, now: float) -> None:
             core.stats.dropped["expired"] += 1
         else:
             publish(core, entry[0], now)
-        core.store.when_durable(lambda: send_ack(core, conn, PUBCOMP_BYTE, pid) if conn.state == CONNECTED else None)
+        if hold(core, ACK_PUBCOMP, conn, pid, 0):
+            pubcomp(core, conn, pid, 0)
         return
-    # PUBCOMP also for an unknown identifier (seed 003), 5.0 with 0x92 (MQTT 5.0 §3.7.2.1).
+    # PUBCOMP also for an unknown identifier (a PUBREL re-sent after the PUBCOMP was lost), 5.0 with 0x92 (MQTT 5.0
+    # §3.7.2.1).
     reason = unknown_packet_id(conn.version)
-    core.store.when_durable(lambda: send(core, conn, PubComp(pid, reason)) if conn.state == CONNECTED else None)
+    if hold(core, ACK_PUBCOMP, conn, pid, reason):
+        pubcomp(core, conn, pid, reason)
+
+
+def pubcomp(core: BrokerState, conn: Connection, pid: int, reason: int) -> None:
+    """PUBCOMP ``pid`` with ``reason`` (0: the plain 4 bytes)."""
+    if conn.state != CONNECTED:
+        return
+    if reason:
+        send(core, conn, PubComp(pid, reason))
+    else:
+        send_ack(core, conn, PUBCOMP_BYTE, pid)
 
 
 def expire_awaiting_rel(core: BrokerState, session: Session, now: float) -> None:

@@ -72,7 +72,8 @@ def publish_refusal(version: int, reason: ReasonCode) -> int:
 
 
 def store_refusal(version: int, full: bool) -> ReasonCode | None:
-    """How a QoS 1/2 PUBLISH the store could not take is refused (DESIGN.md §4): 5.0 PUBACK/PUBREC 0x97 Quota
+    """How a QoS 1/2 PUBLISH the store could not take is refused (nothing is acknowledged that
+    is not stored): 5.0 PUBACK/PUBREC 0x97 Quota
     exceeded when the store or disk is full, else 0x80 Unspecified error; ``None`` for 3.1.1, which cannot
     refuse: the publisher is not acknowledged and is disconnected."""
     if version != MQTT_5:
@@ -87,6 +88,6 @@ def suback_failure(version: int, reason: ReasonCode) -> int:
 
 def unknown_packet_id(version: int) -> int:
     """The PUBREL/PUBCOMP Reason Code answering a PUBREC/PUBREL for a Packet Identifier the server does not know
-    (seed 003: a PUBREL for an unknown identifier still gets PUBCOMP): 5.0 0x92 (MQTT 5.0 §3.6.2.1, §3.7.2.1),
+    (a PUBREL re-sent after the PUBCOMP was lost still gets PUBCOMP): 5.0 0x92 (MQTT 5.0 §3.6.2.1, §3.7.2.1),
     3.1.1 plain."""
     return RC.PACKET_IDENTIFIER_NOT_FOUND if version == MQTT_5 else 0

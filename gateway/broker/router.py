@@ -2,7 +2,8 @@
 subscription (MQTT 5.0 §4.7): one copy per client at the highest QoS of its overlapping subscriptions with all
 their Subscription Identifiers [MQTT-3.3.4-2] [MQTT-3.3.4-3], No Local [MQTT-3.8.3-3], one member per shared
 group, round robin, online members first (MQTT 5.0 §4.8.2). Delivered QoS = min(publish QoS, subscription QoS)
-(seed 003). The subscription tree and the retained store themselves are in :mod:`gateway.broker.subscription_tree`.
+(MQTT 5.0 §3.8.4). The subscription tree and the retained store themselves are in
+:mod:`gateway.broker.subscription_tree`.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def retain(core: BrokerState, message: Message) -> None:
         core.store.retained_saved(message)
     else:
         # Cleared, or a QoS 0 retained message while the store is full: it must not overflow the store (QoS 0
-        # is never refused), so it is kept in memory only and the stale one on disk is removed (DESIGN.md §4).
+        # is never refused), so it is kept in memory only and the stale one on disk is removed (a restart must
+        # not bring it back).
         core.store.retained_deleted(message.topic)
 
 

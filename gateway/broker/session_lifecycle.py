@@ -1,5 +1,6 @@
-"""Sessions outliving connections (MQTT 5.0 §4.1, seed 004): closing a connection, keeping its session offline
-(persistent) or ending it (clean), Will Messages (delayed or not), and session expiry.
+"""Sessions outliving connections (MQTT 5.0 §4.1; offline messages: docs/architecture.md, "Session semantics"):
+closing a connection, keeping its session offline (persistent) or ending it (clean), Will Messages (delayed or
+not), and session expiry.
 
 A persistent session (3.1.1 Clean Session 0, 5.0 Session Expiry Interval > 0) keeps its subscriptions, Message
 Queue and Inflight Window while its client is away, for at most its Session Expiry Interval; Clean Start, expiry
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from gateway.broker.actions import CLOSE
 from gateway.broker.connection_states import CLOSED
 from gateway.broker.message import Message
 from gateway.broker.router import publish
@@ -21,12 +23,15 @@ from gateway.mqtt.properties import PropertyId as P
 log = logging.getLogger("gateway.broker")
 
 
-def close(core: BrokerState, conn: Connection, now: float, publish_will: bool) -> None:
-    """Close ``conn`` once its output is written; detach its session."""
+def close(core: BrokerState, conn: Connection, now: float, publish_will: bool, reason: str = "closed by the broker",
+          how: int = CLOSE) -> None:
+    """Close ``conn`` (``how``: :data:`~gateway.broker.actions.CLOSE` once its output is written, or ``ABORT`` at
+    once; ``reason`` for the I/O layer's log); detach its session."""
     if conn.state == CLOSED:
         return
     conn.move_to(CLOSED)
-    conn.close_after_flush = True
+    conn.closing = how
+    conn.close_reason = reason
     core.dirty.add(conn)
     detach(core, conn, now, publish_will)
 
@@ -104,7 +109,7 @@ def end_session(core: BrokerState, session: Session, now: float) -> None:
 
 def expire(core: BrokerState, now: float) -> None:
     """Publish the delayed Wills that are due and end the offline sessions whose Session Expiry Interval passed
-    (seed 004: their offline messages go with them)."""
+    (their offline messages go with them [MQTT-4.1.0-2])."""
     for session in list(core.wills):
         if session.will_at is not None and now >= session.will_at:
             will = session.will

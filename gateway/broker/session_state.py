@@ -3,7 +3,7 @@ protocol state (Keep Alive, Topic Aliases, limits negotiated in CONNECT/CONNACK)
 
 A :class:`Session` outlives its :class:`Connection` when it is persistent (Clean Session = 0 / Session Expiry
 Interval > 0); it holds the Inflight Window (in memory), the Message Queue, inbound QoS 2 state and the
-subscriptions (seeds 000-004).
+subscriptions (docs/architecture.md, "Session semantics").
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Session:
         inflight: Inflight Window, Packet Identifier -> Delivery, in send order (in memory; rebuilt from the
             store on start).
         mqueue: the Message Queue.
-        awaiting_rel: inbound QoS 2 messages received and PUBRECed, awaiting PUBREL (seed 003), with arrival
+        awaiting_rel: inbound QoS 2 messages received and PUBRECed, awaiting PUBREL (MQTT 5.0 §4.3.3), with arrival
             times for ``await_rel_timeout``.
         expires_at: wall-clock seconds when an offline session ends, else ``None``.
         will_at: wall-clock seconds when a delayed Will Message is due, else ``None``.
@@ -170,8 +170,10 @@ class Connection:
 
     Attributes:
         state: a :class:`~gateway.broker.connection_states.ConnState`; changed only by :meth:`move_to`.
-        out: encoded packets waiting to be written, in order (written in one call per loop turn).
-        close_after_flush: the broker wants the connection closed once ``out`` is written.
+        out: encoded packets not yet handed to the I/O layer, in order (each input hands them out in its
+            :class:`~gateway.broker.actions.Action`; written only by :mod:`gateway.broker.output`).
+        closing: ``KEEP_OPEN``, or how the core closed it (``CLOSE``: after ``out``; ``ABORT``: at once), and
+            ``close_reason`` why (:mod:`gateway.broker.actions`); set only by ``session_lifecycle.close``.
         version: Protocol Level (3, 4 or 5) once CONNECT arrived.
         keep_alive: seconds; the connection is closed after 1.5x without a packet [MQTT-3.1.2-22 (5.0)].
         window: Inflight Window length for this connection (max_inflight capped by Receive Maximum).
@@ -182,12 +184,11 @@ class Connection:
         paused: the socket's write buffer is above its high-water mark (``high_watermark``): QoS 0 messages to
             it are dropped, QoS 1/2 wait in the Message Queue.
         paused_at: when ``paused`` last became true, wall-clock seconds (for ``send_timeout``).
-        abort: close without writing what is left (a connection stuck past ``send_timeout``).
         pending: :meth:`Broker.receive` left part of its bytes (the rest of a long run of PUBACKs,
-            ``pending_acks``, and what followed it, ``pending_data``): write ``out``, then call
-            :meth:`Broker.resume` until this is False.
+            ``pending_acks``, and what followed it, ``pending_data``): its action says ``more``, and the I/O layer
+            calls :meth:`Broker.resume` until this is False.
         cert_cn: the CN of the client certificate verified on a TLS listener (``use_identity_as_username``), or
-            ``None``; set by the I/O layer before any byte is received.
+            ``None``; given by the I/O layer with :meth:`Broker.accepted_at` before any byte is received.
         username: the verified user name once CONNECT is accepted (``None``: anonymous).
         held / held_until: packets received while the CONNECT (the first of them) is held by the failure
             throttle, and when it is released (wall-clock seconds; state ``HELD``).
@@ -200,13 +201,13 @@ class Connection:
     """
 
     __slots__ = (
-        "abort",
         "aliases_in",
         "aliases_out",
         "cert_cn",
         "check_key",
         "client_id",
-        "close_after_flush",
+        "close_reason",
+        "closing",
         "deferred",
         "deferred_data",
         "held",
@@ -246,7 +247,8 @@ class Connection:
         self.peer = peer
         self.reader = PacketReader(limits.max_packet_size)
         self.out: list[bytes] = []
-        self.close_after_flush = False
+        self.closing = 0  # KEEP_OPEN (gateway.broker.actions)
+        self.close_reason = ""
         self.state: ConnState = AWAITING_CONNECT
         self.version = 4
         self.client_id = ""
@@ -263,7 +265,6 @@ class Connection:
         self.inbound_pending = 0
         self.paused = False
         self.paused_at = 0.0
-        self.abort = False
         self.will: Will | None = None
         self.request_problem_info = True
         self.pending = False
@@ -280,6 +281,15 @@ class Connection:
         self.deferred_data = b""
         self.check_key: int | None = None
 
+    @property
+    def close_after_flush(self) -> bool:
+        """The core closed this connection (its last packets are written first, unless it aborts)."""
+        return self.closing != 0
+
+    @property
+    def abort(self) -> bool:
+        """The core closed this connection without writing what is left (stuck past ``send_timeout``)."""
+        return self.closing == 2
 
     def move_to(self, state: ConnState) -> None:
         """Change :attr:`state` to ``state``; :class:`~gateway.broker.connection_states.IllegalTransition` when
@@ -287,6 +297,7 @@ class Connection:
         if state not in ALLOWED[self.state]:
             raise IllegalTransition(self.state, state)
         self.state = state
+
     def __repr__(self) -> str:
         return f"<Connection {self.client_id!r} from {self.peer} v{self.version}>"
 

@@ -6,8 +6,9 @@ messages, the store, counters. One object (:class:`BrokerState`), passed as ``co
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 from gateway.broker.deadlines import DeadlineIndex
 from gateway.broker.limits import BrokerSettings
@@ -98,7 +99,7 @@ class BrokerState:
         self.deadlines = DeadlineIndex()
         self.tree = SubscriptionTree()
         self.retained = RetainedMessages()
-        #: Connections with output to write; the I/O layer writes and clears them once per loop turn.
+        #: Connections with output or a close for the I/O layer since the input began (handed out as its actions).
         self.dirty: set[Connection] = set()
         self.stats = Stats()
         self.started_at = now
@@ -133,6 +134,13 @@ class BrokerState:
         #: The encoded PUBLISH variants of the message last sent (output.write_publish).
         self.enc_mid = 0
         self.enc_cache: dict[tuple[int, int, bool], tuple[bytes, bytes]] = {}
+        #: Acknowledgements waiting for their commit barrier, in barrier order (:mod:`gateway.broker.barriers`):
+        #: ``(barrier, owns changes, Ack, connection, a, b)``.
+        self.held_acks: deque[tuple[int, bool, int, Connection, Any, Any]] = deque()
+        #: The id of the next commit barrier.
+        self.next_barrier = 1
+        #: A barrier of the input being handled owns changes: the later ones of the same input do too.
+        self.input_owns = False
 
     def new_mid(self) -> int:
         """The next broker-unique message id (increasing in arrival order: the store's key)."""

@@ -1,18 +1,21 @@
 """The store interface the broker needs for durable state, and the in-memory implementation.
 
 The broker calls these hooks for persistent sessions only (Clean Session = 0 / Session Expiry Interval > 0)
-and for retained messages; clean sessions never touch the store (DESIGN.md §4). Acknowledgements of work that
-must be durable (PUBACK, PUBREC, SUBACK) are sent from :meth:`SessionStore.when_durable` callbacks, which run in
-the order they were registered once everything recorded before them is committed; when that commit fails (the
-disk or ``store.max_size`` is full), their ``on_failure`` callbacks run instead, so that a publisher is refused
-(0x97) rather than left waiting (DESIGN.md §4).
+and for retained messages; clean sessions never touch the store: their state ends with the connection or the
+process anyway (docs/reliability.md). Nothing but data crosses this port: changes, and **commit barriers**. An
+acknowledgement that must wait until the work it answers is durable (PUBACK, PUBREC, PUBCOMP, SUBACK, ...) stays
+in the core, held under the id of a barrier (:mod:`gateway.broker.barriers`); :meth:`SessionStore.barrier` puts
+that id after everything recorded so far. Whoever performs the changes later reports the barrier back to the
+core as committed (``Broker.committed``) or failed (``Broker.failed``: the disk or ``store.max_size`` full, so
+that a publisher is refused with 0x97 rather than left waiting); barriers are reported in order, and a report
+covers every earlier barrier.
 
-``gateway/store/`` implements this on LMDB; :class:`MemoryStore` keeps nothing and runs callbacks at once;
-:class:`ChangeLog` is the sans-I/O form of the same interface: every change the core makes is an output record
-(:class:`StoreChange`) in :attr:`ChangeLog.changes`, and the acknowledgements that wait for them stay held until
-whoever performs the records says they are committed (:meth:`ChangeLog.commit`) or failed (:meth:`ChangeLog.fail`).
-The in-process tests of the core read the records (tests/test_core.py); the LMDB store performs the same calls as
-LMDB operations on its writer thread.
+``gateway/store/`` implements this on LMDB; :class:`MemoryStore` keeps nothing, so every barrier is durable at
+once; :class:`ChangeLog` is the sans-I/O form of the same interface: every change the core makes is an output
+record (:class:`StoreChange`) in :attr:`ChangeLog.changes`, barriers included, held until whoever performs the
+records says they are committed (:meth:`ChangeLog.commit`) or failed (:meth:`ChangeLog.fail`). The in-process
+tests of the core read the records (tests/test_core.py); the LMDB store performs the same calls as LMDB operations
+on its writer thread.
 """
 
 from __future__ import annotations
@@ -23,7 +26,24 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from gateway.broker.queue_pager import QueuePager
 
-__all__ = ["ChangeLog", "LoadedState", "MemoryStore", "OutboxRecord", "QueuePager", "SessionStore", "StoreChange"]
+__all__ = [
+    "DURABLE",
+    "ORDER",
+    "OWN",
+    "ChangeLog",
+    "LoadedState",
+    "MemoryStore",
+    "OutboxRecord",
+    "QueuePager",
+    "SessionStore",
+    "StoreChange",
+]
+
+#: :meth:`SessionStore.barrier`'s answers. DURABLE: nothing recorded waits and no earlier barrier is outstanding,
+#: so what waits on this barrier may go at once (the core holds nothing). OWN: the barrier waits, and changes were
+#: recorded since the previous barrier. ORDER: the barrier waits only for the order of acknowledgements (nothing
+#: was recorded since the previous barrier).
+DURABLE, OWN, ORDER = 0, 1, 2
 
 if TYPE_CHECKING:
     from gateway.broker.message import Delivery, Message
@@ -109,12 +129,12 @@ class SessionStore(Protocol):
         """The topic's retained message was cleared."""
         ...
 
-    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
-        """Run ``callback`` once everything recorded so far is committed (FIFO with other callbacks). When the
-        commit holding it fails, run ``on_failure`` instead (if given; FIFO too) with True when the store or its
-        disk is full (MDB_MAP_FULL, ENOSPC, EDQUOT; DESIGN.md §4: answer 0x97) and False for other write errors;
-        nothing of that commit may be acknowledged. A store may run ``callback`` instead when the caller has no
-        change of its own in the failed commit (it waited only for the order of acknowledgements)."""
+    def barrier(self, barrier: int) -> int:
+        """Commit barrier ``barrier`` (an id from the core, increasing) after everything recorded so far: once the
+        commit holding those changes lands, report ``barrier`` back as committed, or as failed (with whether the
+        store or its disk is full: MDB_MAP_FULL, ENOSPC, EDQUOT, answered 0x97; False for other write errors).
+        A report covers every earlier barrier. Returns :data:`DURABLE` (nothing waits: not reported), :data:`OWN`
+        or :data:`ORDER` (whether changes were recorded since the previous barrier)."""
         ...
 
     def pager(self, client_id: str) -> tuple[QueuePager, int] | None:
@@ -191,8 +211,8 @@ class MemoryStore:
     def retained_deleted(self, topic: str) -> None:
         pass
 
-    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
-        callback()  # nothing to commit: never fails
+    def barrier(self, barrier: int) -> int:
+        return DURABLE  # nothing to commit: never fails
 
     def pager(self, client_id: str) -> tuple[QueuePager, int] | None:
         return None
@@ -222,9 +242,10 @@ class StoreChange(NamedTuple):
 
     Attributes:
         op: the :class:`SessionStore` method that recorded it (``"delivery_saved"``, ``"inbound_deleted"``, ...),
-            or ``"durable"`` for a barrier: an acknowledgement that waits for every change recorded before it.
+            or ``"durable"`` for a commit barrier: acknowledgements wait on it for every change recorded before it.
         client_id: the session (or upstream link) it belongs to; ``None`` for retained messages and barriers.
-        key: what it is about: a Topic Filter, a Packet Identifier, a store sequence number, a topic, or ``None``.
+        key: what it is about: a Topic Filter, a Packet Identifier, a store sequence number, a topic, the barrier's
+            id, or ``None``.
         value: the stored object (:class:`Session`, :class:`Delivery`, :class:`Message`, ...), or ``None``.
     """
 
@@ -236,12 +257,14 @@ class StoreChange(NamedTuple):
 
 class ChangeLog(MemoryStore):
     """A :class:`SessionStore` that performs nothing: each change is appended to :attr:`changes` as a
-    :class:`StoreChange`, and ``when_durable`` acknowledgements (PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK) wait
-    until :meth:`commit` says the changes recorded before them are durable, or :meth:`fail` that they cannot be
-    (DESIGN.md §4: nothing is acknowledged before the work it caused is committed).
+    :class:`StoreChange`, each commit barrier as a ``"durable"`` record, and the barriers are reported back only
+    when :meth:`commit` says the changes recorded before them are durable, or :meth:`fail` that they cannot be
+    (nothing is acknowledged before the work it caused is committed: docs/reliability.md).
 
     Queue rows get increasing store sequence numbers (``Delivery.seq``) as the LMDB store gives them; the Message
     Queue does not page (``pager`` is ``None``). ``room`` is what :meth:`has_room` answers (False: a full store).
+    ``on_committed(barrier)`` and ``on_failed(barrier, full)`` receive the reports (the I/O layer's part: in the
+    tests, ``Broker.committed`` and ``Broker.failed``).
     """
 
     def __init__(self) -> None:
@@ -249,7 +272,10 @@ class ChangeLog(MemoryStore):
         self.changes: list[StoreChange] = []
         self.room = True
         self._seq = 0
-        self._waiting: list[tuple[Callable[[], None], Callable[[bool], None] | None]] = []
+        self._barriers: list[int] = []  # recorded and not yet reported
+        self._changed = False  # a change was recorded since the last barrier
+        self.on_committed: Callable[[int], Any] | None = None
+        self.on_failed: Callable[[int, bool], Any] | None = None
 
     def take(self) -> list[StoreChange]:
         """The records made since the last call (their order is the order they must be performed in)."""
@@ -257,25 +283,24 @@ class ChangeLog(MemoryStore):
         return changes
 
     def commit(self) -> int:
-        """Everything recorded so far is durable: run the held acknowledgements in order; returns how many ran."""
-        waiting, self._waiting = self._waiting, []
-        for callback, _ in waiting:
-            callback()
-        return len(waiting)
+        """Everything recorded so far is durable: report the last barrier (and with it every earlier one) as
+        committed; returns how many barriers that covered."""
+        barriers, self._barriers = self._barriers, []
+        if barriers and self.on_committed is not None:
+            self.on_committed(barriers[-1])
+        return len(barriers)
 
     def fail(self, full: bool = True) -> int:
-        """The records could not be committed (``full``: for lack of room, 0x97): run the held acknowledgements'
-        ``on_failure`` callbacks instead, in order; returns how many ran."""
-        waiting, self._waiting = self._waiting, []
-        ran = 0
-        for _, on_failure in waiting:
-            if on_failure is not None:
-                on_failure(full)
-                ran += 1
-        return ran
+        """The records could not be committed (``full``: for lack of room, 0x97): report the last barrier as
+        failed; returns how many barriers that covered."""
+        barriers, self._barriers = self._barriers, []
+        if barriers and self.on_failed is not None:
+            self.on_failed(barriers[-1], full)
+        return len(barriers)
 
     def _add(self, op: str, client_id: str | None, key: Any = None, value: Any = None) -> None:
         self.changes.append(StoreChange(op, client_id, key, value))
+        self._changed = True
 
     def session_saved(self, session: Session) -> None:
         self._add("session_saved", session.client_id, None, session)
@@ -315,9 +340,12 @@ class ChangeLog(MemoryStore):
     def retained_deleted(self, topic: str) -> None:
         self._add("retained_deleted", None, topic)
 
-    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
-        self._add("durable", None)
-        self._waiting.append((callback, on_failure))
+    def barrier(self, barrier: int) -> int:
+        changed = self._changed
+        self.changes.append(StoreChange("durable", None, barrier))
+        self._barriers.append(barrier)
+        self._changed = False
+        return OWN if changed else ORDER
 
     def has_room(self, client_id: str | None) -> bool:
         return self.room

@@ -5,6 +5,7 @@ messages per Retain Handling (never for shared ones, MQTT 5.0 §3.8.4)."""
 from __future__ import annotations
 
 from gateway.broker.access_decisions import decide, may_read
+from gateway.broker.barriers import ACK_SUBACK, ACK_UNSUBACK, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.delivery import deliver
 from gateway.broker.limits import topic_limit_error
@@ -114,21 +115,26 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         # Retained messages on subscribe per Retain Handling; never for shared ones (MQTT 5.0 §3.8.4).
         if group is None and (record.retain_handling == 0 or (record.retain_handling == 1 and not existed)):
             retained.append(record)
-    pid = p.packet_id
+    suback = Suback(p.packet_id, codes)
+    if hold(core, ACK_SUBACK, conn, suback, retained):
+        subscribed(core, conn, suback, retained, now)
 
-    def done() -> None:
-        if conn.state != CONNECTED:
-            return
-        send(core, conn, Suback(pid, codes))
-        for record in retained:
-            for message in core.retained.matching(record.topic_filter):
-                if message.expired(now) or not may_read(session, record.key, message.topic):
-                    continue  # retained messages obey read too
-                # A retained message sent because of a new subscription has RETAIN=1 [MQTT-3.3.1-8].
-                ids = [record.sub_id] if record.sub_id is not None else []
-                deliver(core, session, message, min(message.qos, record.qos), True, ids, now)
 
-    core.store.when_durable(done)
+def subscribed(core: BrokerState, conn: Connection, suback: Suback, retained: list[SubscriptionRecord],
+               now: float) -> None:
+    """The subscriptions of a SUBSCRIBE are durable: ``suback``, then the retained messages matching each of the
+    subscriptions in ``retained`` (those whose Retain Handling asks for them), if the client is still there."""
+    session = conn.session
+    if conn.state != CONNECTED or session is None:
+        return
+    send(core, conn, suback)
+    for record in retained:
+        for message in core.retained.matching(record.topic_filter):
+            if message.expired(now) or not may_read(session, record.key, message.topic):
+                continue  # retained messages obey read too
+            # A retained message sent because of a new subscription has RETAIN=1 [MQTT-3.3.1-8].
+            ids = [record.sub_id] if record.sub_id is not None else []
+            deliver(core, session, message, min(message.qos, record.qos), True, ids, now)
 
 
 def _start_receiving(core: BrokerState, session: Session) -> None:
@@ -180,5 +186,6 @@ def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: flo
         if session.persistent:
             core.store.subscription_deleted(session.client_id, topic_filter)
         codes.append(RC.SUCCESS)
-    pid = p.packet_id
-    core.store.when_durable(lambda: send(core, conn, Unsuback(pid, codes)) if conn.state == CONNECTED else None)
+    unsuback = Unsuback(p.packet_id, codes)
+    if hold(core, ACK_UNSUBACK, conn, unsuback):
+        send(core, conn, unsuback)

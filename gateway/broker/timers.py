@@ -1,12 +1,13 @@
 """Deadlines, run by :meth:`Broker.tick` about once a second with the time given: CONNECT timeout, Keep Alive
 (1.5x, [MQTT-3.1.2-24] 3.1.1 / [MQTT-3.1.2-22] 5.0), ``send_timeout``, the 3.1.1 ``retry_interval``,
 ``await_rel_timeout``, congestion that ends, delayed Wills, session expiry, and every few seconds the sweep of
-expired offline messages and retained messages (seed 004)."""
+expired offline messages and retained messages [MQTT-3.3.2-5]."""
 
 from __future__ import annotations
 
 import logging
 
+from gateway.broker.actions import ABORT
 from gateway.broker.connection_states import AWAITING_CONNECT, CLOSED, CONNECTED
 from gateway.broker.deadlines import next_check
 from gateway.broker.delivery import STALLED_AFTER, sweep_expired
@@ -39,7 +40,7 @@ def run(core: BrokerState, now: float) -> None:
     for session in list(core.congested):
         if session.conn is None or now - session.conn.last_ack_at >= STALLED_AFTER:
             # A consumer that stopped acknowledging does not hold publishers back: its queue fills and
-            # drops by the Message Queue policy instead (seed 000).
+            # drops by the Message Queue policy instead.
             core.congested.discard(session)
     expire(core, now)
     if now >= core.next_sweep:
@@ -58,7 +59,7 @@ def check(core: BrokerState, conn: Connection, now: float) -> None:
     if conn.state == AWAITING_CONNECT:
         if now - conn.opened_at >= limits.connect_timeout:
             log.info("%s: no CONNECT within %.0f s; closing", conn.peer, limits.connect_timeout)
-            close(core, conn, now, publish_will=False)
+            close(core, conn, now, publish_will=False, reason="no CONNECT within connect_timeout")
         return
     if conn.state != CONNECTED:
         return
@@ -75,8 +76,7 @@ def check(core: BrokerState, conn: Connection, now: float) -> None:
             conn.client_id,
             limits.send_timeout,
         )
-        conn.abort = True
-        close(core, conn, now, publish_will=True)
+        close(core, conn, now, publish_will=True, reason="send_timeout: the client does not read", how=ABORT)
         return
     if conn.keep_alive and now - max(conn.last_rx, conn.paused_until) >= 1.5 * conn.keep_alive:
         # [MQTT-3.1.2-24] (3.1.1) / [MQTT-3.1.2-22] (5.0): one and a half times the Keep Alive.
@@ -84,7 +84,7 @@ def check(core: BrokerState, conn: Connection, now: float) -> None:
         packet = disconnect(conn.version, RC.KEEP_ALIVE_TIMEOUT)
         if packet is not None:
             send(core, conn, packet)
-        close(core, conn, now, publish_will=True)
+        close(core, conn, now, publish_will=True, reason="Keep Alive expired")
         return
     session = conn.session
     if session is None:

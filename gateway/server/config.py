@@ -1,6 +1,6 @@
 """The TOML configuration (``/etc/edge-gateway/gateway.toml``): parse, validate, explain every mistake.
 
-Layout (DESIGN.md §6)::
+Layout (README.md, "Configuration")::
 
     [broker]
     sys_interval = "10s"        # $SYS update period; 0 = off

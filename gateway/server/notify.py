@@ -1,4 +1,5 @@
-"""The daemon side of systemd's notification protocol (sd_notify, through ``sdnotify``; DESIGN.md §6).
+"""The daemon side of systemd's notification protocol (sd_notify, through ``sdnotify``):
+READY=1 once listening, WATCHDOG=1 while healthy, STATUS=, STOPPING=1.
 
 - ``READY=1`` once the listeners are bound and the store is open (the runner calls :meth:`SystemdNotify.ready`).
 - ``STATUS=`` a one-line summary (clients, queued messages, store use, each upstream link's state and outbox

@@ -1,11 +1,14 @@
 """The asyncio adapter between sockets and the sans-I/O :class:`~gateway.broker.broker.Broker`.
 
-Each connection's bytes go to the broker as they arrive; everything the broker wants written is sent once per
-loop turn per connection (one ``transport.write`` with all of that turn's packets), and connections the broker
-closed are closed after their last bytes. The broker never sees a transport: :attr:`BrokerIO.transports` maps
-each of its :class:`~gateway.broker.session_state.Connection` objects to one. When the broker leaves part of a read
-pending (``Connection.pending``: a long run of PUBACKs, handled in parts), the connection's output is written at
-once and :meth:`Broker.resume` called, within the same ``data_received``, until nothing is pending.
+Each connection's bytes go to the broker as they arrive; every input of the broker returns its actions
+(:class:`~gateway.broker.actions.Action`, one per connection concerned), and :meth:`BrokerIO.perform` carries them
+out: packets are buffered per connection and written once per loop turn (one ``transport.write`` with all of that
+turn's packets), closes happen after the last bytes (a FIN, then a linger) or at once (an abort), and reading
+pauses until a time (``max_publish_rate``, then :meth:`Broker.pause_over`) or while the core holds a publisher
+back (a congested consumer, :meth:`Broker.holds_back`). An action with ``more`` set (a long run of PUBACKs,
+handled in parts) has its packets written at once and :meth:`Broker.resume` called, within the same
+``data_received``. The broker never sees a transport: :attr:`BrokerIO.transports` maps each of its
+:class:`~gateway.broker.session_state.Connection` objects to one; this module never writes the core's state.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from gateway.broker.actions import ABORT, UNTIL_RELEASED, Action
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
 from gateway.broker.session_state import Connection
@@ -25,34 +29,115 @@ log = logging.getLogger("gateway.server")
 #: so the client reads the DISCONNECT or CONNACK that says why instead of a reset caused by unread data.
 CLOSE_LINGER = 1.0
 
-#: Packets queued for the connection just read after which they are written at once instead of at the end of the
-#: loop turn (once per connection and turn otherwise, so that acknowledgements and fan-in deliveries share a write).
+#: Packets buffered for one connection after which they are written at once instead of at the end of the loop
+#: turn (once per connection and turn otherwise, so that acknowledgements and fan-in deliveries share a write).
 WRITE_NOW_PACKETS = 256
 
 
 class BrokerIO:
-    """Owns the broker's I/O side: the flush scheduled once per loop turn and the one-second ticker."""
+    """Owns the broker's I/O side: performing the actions the broker returns (buffered writes flushed once per
+    loop turn, closes, paused reading) and the one-second ticker."""
 
     def __init__(self, broker: Broker, loop: asyncio.AbstractEventLoop) -> None:
         self.broker = broker
         self.loop = loop
         self._flush_scheduled = False
         self._ticker: asyncio.Task[None] | None = None
-        self.throttled: set[MQTTProtocol] = set()  # publishers paused while a consumer is congested
-        self.rate_paused: set[MQTTProtocol] = set()  # reading paused until Connection.paused_until (max_publish_rate)
+        #: Packets to write at the end of this loop turn, per connection, in order.
+        self.buffers: dict[Connection, list[bytes]] = {}
+        #: Connections to close at the end of this loop turn: ``CLOSE`` (after their packets) or ``ABORT``.
+        self.closing: dict[Connection, int] = {}
+        self.throttled: set[Connection] = set()  # publishers paused while the core holds them back
+        #: Connections whose reading is paused until a wall-clock time (``max_publish_rate``).
+        self.rate_paused: dict[Connection, float] = {}
         #: The transport of each open connection of the broker (the core never holds one); empty once every
         #: connection has closed.
         self.transports: dict[Connection, Any] = {}
         self.last_tick = time.monotonic()
 
-    def write_now(self, conn: Connection) -> None:
-        """Write ``conn``'s pending packets at once (between the parts of a long run of PUBACKs); the end-of-turn
-        flush still closes the connection if the broker asked."""
+    def perform(self, actions: list[Action], reading: Connection | None = None) -> bool:
+        """Carry out ``actions``; True when the action for ``reading`` (the connection just read) says ``more``:
+        its packets were written now and the caller calls :meth:`Broker.resume`."""
+        more = False
+        buffers = self.buffers
+        for action in actions:
+            conn = action.conn
+            data = action.data
+            if data:
+                buf = buffers.get(conn)
+                if buf is None:
+                    buf = buffers[conn] = data
+                else:
+                    buf.extend(data)
+                if conn is reading and len(buf) >= WRITE_NOW_PACKETS:
+                    # Many packets for this connection (a SUBSCRIBE that matched many retained messages): written
+                    # now, so the client reads them while the broker handles the other connections of this turn.
+                    self.write_now(conn)
+            if action.close:
+                self.closing[conn] = action.close
+                if action.reason:
+                    log.debug("%s: closing (%s)", conn.peer, action.reason)
+            if action.pause_until:
+                self._pause(conn, action.pause_until)
+            if action.more and conn is reading:
+                # A long run of PUBACKs: what its first parts let into the window goes out now, so the client
+                # works on it while the broker handles the rest.
+                self.write_now(conn)
+                more = True
+        if actions:
+            self.schedule_flush()
+        return more
+
+    def _pause(self, conn: Connection, until: float) -> None:
         transport = self.transports.get(conn)
-        out = conn.out
-        if out and transport is not None and not transport.is_closing():
+        if transport is None or transport.is_closing():
+            return
+        if until == UNTIL_RELEASED:
+            # Flow control: stop reading this publisher until the congested consumers catch up.
+            if conn not in self.throttled:
+                transport.pause_reading()
+                self.throttled.add(conn)
+            return
+        # max_publish_rate: the core says until when (sans-I/O); one timer per pause.
+        if conn not in self.rate_paused:
+            transport.pause_reading()
+            self.loop.call_later(max(0.0, until - time.time()), self._rate_pause_over, conn)
+        self.rate_paused[conn] = until
+
+    def _rate_pause_over(self, conn: Connection) -> None:
+        """A ``max_publish_rate`` pause passed: the broker goes on with what waited (:meth:`Broker.pause_over`),
+        and reading resumes unless it is paused again or the core holds the publisher back
+        (:meth:`release_throttled` resumes it then)."""
+        until = self.rate_paused.get(conn)
+        transport = self.transports.get(conn)
+        if until is None or transport is None or transport.is_closing():
+            self.rate_paused.pop(conn, None)
+            return
+        now = time.time()
+        if until > now:
+            self.loop.call_later(until - now, self._rate_pause_over, conn)
+            return
+        del self.rate_paused[conn]
+        try:
+            if self.perform(self.broker.pause_over(conn, now), conn):
+                while self.perform(self.broker.resume(conn, now), conn):
+                    pass
+        except Exception:
+            log.exception("internal error while handling %s; closing that connection", conn)
+            transport.close()
+            return
+        if conn in self.rate_paused or transport.is_closing():
+            return  # paused again, or closed
+        if conn not in self.throttled:
+            transport.resume_reading()
+
+    def write_now(self, conn: Connection) -> None:
+        """Write ``conn``'s buffered packets at once; the end-of-turn flush still closes the connection if the
+        broker asked."""
+        out = self.buffers.pop(conn, None)
+        transport = self.transports.get(conn)
+        if out and transport is not None and not transport.is_closing() and self.closing.get(conn) != ABORT:
             transport.write(b"".join(out) if len(out) > 1 else out[0])
-            out.clear()
 
     def schedule_flush(self) -> None:
         """Ask for one :meth:`flush` at the end of this loop turn."""
@@ -61,29 +146,28 @@ class BrokerIO:
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Write every dirty connection's pending packets in one call; close those the broker closed."""
+        """Write every buffered connection's packets in one call each; close those the broker closed."""
         self._flush_scheduled = False
-        dirty = self.broker.dirty
-        if not dirty:
-            return
-        conns = list(dirty)
-        dirty.clear()
         transports = self.transports
-        for conn in conns:
-            transport = transports.get(conn)
-            out = conn.out
-            if transport is None or transport.is_closing():
-                out.clear()
-                continue
-            if conn.abort:
-                out.clear()
-                transport.abort()  # stuck: nothing more can be written (send_timeout)
-                continue
-            if out:
+        buffers = self.buffers
+        closing = self.closing
+        if buffers:
+            self.buffers = {}
+            for conn, out in buffers.items():
+                transport = transports.get(conn)
+                if transport is None or transport.is_closing() or closing.get(conn) == ABORT:
+                    continue  # an abort writes nothing more: stuck (send_timeout)
                 transport.write(b"".join(out) if len(out) > 1 else out[0])
-                out.clear()
-            if conn.close_after_flush:
-                self.close_gracefully(transport)
+        if closing:
+            self.closing = {}
+            for conn, how in closing.items():
+                transport = transports.get(conn)
+                if transport is None or transport.is_closing():
+                    continue
+                if how == ABORT:
+                    transport.abort()
+                else:
+                    self.close_gracefully(transport)
         if self.throttled:
             self.release_throttled()
 
@@ -102,15 +186,16 @@ class BrokerIO:
             transport.close()
 
     def release_throttled(self) -> None:
-        """Resume reading from paused publishers once no consumer is congested, and at once from any paused
-        connection that is itself a congested consumer (its acknowledgements must get through)."""
-        congested = self.broker.congested
-        for proto in list(self.throttled):
-            conn = proto.conn
-            if not congested or conn is None or conn.session in congested:
-                self.throttled.discard(proto)
-                if proto.transport is not None and proto not in self.rate_paused:
-                    proto.transport.resume_reading()
+        """Resume reading from paused publishers once the core no longer holds them back (no consumer is
+        congested, or the paused connection is itself a congested consumer: its acknowledgements must get
+        through)."""
+        holds_back = self.broker.holds_back
+        for conn in list(self.throttled):
+            if not holds_back(conn):
+                self.throttled.discard(conn)
+                transport = self.transports.get(conn)
+                if transport is not None and not transport.is_closing() and conn not in self.rate_paused:
+                    transport.resume_reading()
 
     def start_ticker(self, interval: float = 1.0) -> None:
         """Start the one task that runs all broker deadlines (Keep Alive, expiry, retries, $SYS)."""
@@ -121,12 +206,10 @@ class BrokerIO:
             await asyncio.sleep(interval)
             self.last_tick = time.monotonic()
             try:
-                self.broker.tick(time.time())
+                self.perform(self.broker.tick(time.time()))
             except Exception:  # a bug in one deadline must not stop the others
                 log.exception("broker tick failed")
             self.flush()
-            if self.throttled:
-                self.release_throttled()
 
     async def stop_ticker(self) -> None:
         """Cancel the ticker and wait for it."""
@@ -178,56 +261,18 @@ class MQTTProtocol(asyncio.Protocol):
         if conn is None:
             return
         io = self.io
-        broker, transport = io.broker, self.transport
-        published = broker.stats.publish_received
+        broker = io.broker
         now = time.time()
         try:
-            broker.receive(conn, data, now)
-            while conn.pending:
-                # A long run of PUBACKs: what its first parts let into the window goes out now, so the client
-                # works on it while the broker handles the rest.
-                io.write_now(conn)
-                broker.resume(conn, now)
-            if len(conn.out) >= WRITE_NOW_PACKETS:
-                # Many packets for this connection (a SUBSCRIBE that matched many retained messages): written now,
-                # so the client reads them while the broker handles the other connections of this loop turn.
-                io.write_now(conn)
+            if io.perform(broker.receive(conn, data, now), conn):
+                while io.perform(broker.resume(conn, now), conn):
+                    pass
         except Exception:
             # A bug must cost one connection, never the broker.
             log.exception("internal error while handling %s; closing that connection", conn)
-            conn.pending = False
-            transport.close()
-        congested = broker.congested
-        if congested and broker.stats.publish_received != published and conn.session not in congested \
-                and transport is not None and not transport.is_closing():
-            # Flow control: stop reading this publisher until the congested consumers catch up.
-            transport.pause_reading()
-            io.throttled.add(self)
-        if conn.paused_until > now and self not in io.rate_paused and transport is not None \
-                and not transport.is_closing():
-            # max_publish_rate: the core says until when (sans-I/O); one timer per pause.
-            transport.pause_reading()
-            io.rate_paused.add(self)
-            io.loop.call_later(conn.paused_until - now, self._rate_pause_over)
-        io.schedule_flush()
-
-    def _rate_pause_over(self) -> None:
-        """The ``max_publish_rate`` pause passed: read again (unless the debt grew meanwhile, or a congested
-        consumer still holds this publisher back: :meth:`BrokerIO.release_throttled` resumes it then)."""
-        io, conn, transport = self.io, self.conn, self.transport
-        if conn is None or transport is None or transport.is_closing():
-            io.rate_paused.discard(self)
-            return
-        delay = conn.paused_until - time.time()
-        if delay > 0:
-            io.loop.call_later(delay, self._rate_pause_over)
-            return
-        io.rate_paused.discard(self)
-        self.data_received(b"")  # the PUBLISH that waited and the bytes read after it (Broker.receive)
-        if self in io.rate_paused or self.transport is None or self.transport.is_closing():
-            return  # paused again, or closed
-        if self not in io.throttled:
-            transport.resume_reading()
+            if self.transport is not None:
+                self.transport.close()
+        io.schedule_flush()  # also when nothing was written: a congestion that ended releases paused publishers
 
     def pause_writing(self) -> None:
         if self.conn is not None:
@@ -235,19 +280,20 @@ class MQTTProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         if self.conn is not None:
-            self.io.broker.resume_writing(self.conn, time.time())
+            self.io.perform(self.io.broker.resume_writing(self.conn, time.time()))
             self.io.schedule_flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.io.throttled.discard(self)
-        self.io.rate_paused.discard(self)
         conn = self.conn
         if conn is None:
             return
+        io = self.io
+        io.throttled.discard(conn)
+        io.rate_paused.pop(conn, None)
+        io.transports.pop(conn, None)
         try:
-            self.io.broker.connection_lost(conn, time.time())
+            io.perform(io.broker.connection_lost(conn, time.time()))
         except Exception:
             log.exception("internal error while closing %s", conn)
-        self.io.transports.pop(conn, None)
         self.transport = None
-        self.io.schedule_flush()
+        io.schedule_flush()

@@ -124,16 +124,18 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         lmdb_store.on_queue_rows_lost = broker.queue_rows_lost  # entries whose rows a commit did not write
 
         def change_failed(client_ids: set[str]) -> None:
-            broker.store_change_failed(client_ids, time.time())  # before that commit's acknowledgements run
-            io.schedule_flush()
+            io.perform(broker.store_change_failed(client_ids, time.time()))  # before that commit's barrier
 
+        # The commit reports, as inputs of the core: it emits the acknowledgements held under the barriers.
         lmdb_store.on_change_failed = change_failed
+        lmdb_store.on_committed = lambda barrier: io.perform(broker.committed(barrier, time.time()))
+        lmdb_store.on_failed = lambda barrier, full: io.perform(broker.failed(barrier, full, time.time()))
     upstream: UpstreamBridge | None = None
     if config.upstreams:
         # Imported only when configured: aiomqtt and paho cost ~2 MiB of RSS on a broker without uplinks.
         from gateway.upstream import UpstreamBridge
 
-        upstream = UpstreamBridge(config.upstreams, broker, io.schedule_flush)
+        upstream = UpstreamBridge(config.upstreams, broker, io.perform)
         upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
     servers: list[asyncio.AbstractServer] = []
     tls_listeners: dict[str, TlsListener] = {}
@@ -209,7 +211,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         await io.stop_ticker()
         if upstream is not None:
             await upstream.stop()
-        broker.shutdown(time.time())
+        io.perform(broker.shutdown(time.time()))
         io.flush()
         # Let the transports write their last bytes (DISCONNECT 0x8B) before the loop ends.
         deadline = time.monotonic() + 2.0

@@ -102,8 +102,7 @@ class TlsMQTTProtocol(MQTTProtocol):
         super().connection_made(transport)
         conn = self.conn
         if conn is not None:
-            self.io.broker.accepted_at(conn, self.accepted_at)
-            conn.cert_cn = peer_common_name(transport.get_extra_info("peercert"))
+            self.io.broker.accepted_at(conn, self.accepted_at, peer_common_name(transport.get_extra_info("peercert")))
 
 
 class TlsListener(asyncio.AbstractServer):

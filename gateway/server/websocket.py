@@ -300,8 +300,8 @@ class WebSocketProtocol(asyncio.Protocol):
         conn = mqtt.conn
         if conn is not None:
             assert self.accepted_at is not None
-            self.io.broker.accepted_at(conn, self.accepted_at)  # CONNECT's deadline counts from the accept
-            conn.cert_cn = peer_common_name(raw.get_extra_info("peercert"))  # wss with a client certificate
+            # CONNECT's deadline counts from the accept; wss with a client certificate: its CN.
+            self.io.broker.accepted_at(conn, self.accepted_at, peer_common_name(raw.get_extra_info("peercert")))
         return True
 
     def pause_writing(self) -> None:

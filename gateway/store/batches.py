@@ -1,20 +1,21 @@
-"""Batches on the loop's side of the LMDB store's group commit (DESIGN.md §4): the open batch, the batches handed
-to the writer thread and not yet committed, and the ``when_durable`` callbacks waiting on each.
+"""Batches on the loop's side of the LMDB store's group commit: the open batch, the batches handed to the writer
+thread and not yet committed, and the last commit barrier of each (docs/architecture.md, "The durability
+contract": all work of one loop turn, or of a few milliseconds, shares one fsynced transaction).
 
 :class:`CommitBatches` sits between :class:`~gateway.store.writer.LmdbWriter` (the writer thread, which commits a
 batch and reports back through ``_committed``) and :class:`~gateway.store.lmdb_store.LmdbStore` (the typed
 operations, which record changes here with ``_record``):
 
-- the open batch: operations (``_ops``), the row patches of sends not yet recorded (``_sent``), and its
-  ``when_durable`` callbacks and ``on_failure`` callbacks, in order; handed over at the end of the loop turn (or
-  after ``commit_interval``; changes nobody waits for wait up to ``lazy_commit`` to share a commit with later work);
-- the batches in flight, in order (``_inflight``, ``_inflight_fail``, ``_inflight_seq``): when the writer reports
-  a commit, their callbacks run on the loop; when it reports a failure, their ``on_failure`` callbacks run instead;
-- riders: a ``when_durable`` with nothing open and every batch in flight handed over in an earlier loop turn owns
-  no change in them (a handler records and asks in one turn), so it completes after those batches whether they
-  commit or fail: another client's failed commit never refuses it;
-- the owners of changes a commit left out (they failed alone), named by client id before that commit's callbacks
-  run (``on_change_failed``), through the key prefixes the typed operations used (``_prefix``).
+- the open batch: operations (``_ops``), the row patches of sends not yet recorded (``_sent``), and the id of the
+  last commit barrier put after them (``_barrier``); handed over at the end of the loop turn (or after
+  ``commit_interval``; changes nobody waits for wait up to ``lazy_commit`` to share a commit with later work);
+- the batches in flight, in order (``_inflight``: the last barrier of each, 0 for none; ``_inflight_seq``): when
+  the writer reports, the last barrier of the batches it committed goes to ``on_committed``, or of those it could
+  not commit to ``on_failed``. The core holds the acknowledgements and decides what a failure refuses
+  (:mod:`gateway.broker.barriers`); a barrier with nothing open joins the last batch in flight, to keep the
+  acknowledgements in order;
+- the owners of changes a commit left out (they failed alone), named by client id before that commit's barrier is
+  reported (``on_change_failed``), through the key prefixes the typed operations used (``_prefix``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.broker.message import Delivery
+from gateway.broker.store_port import DURABLE, ORDER, OWN
 from gateway.store import records as rec
 from gateway.store.settings import StoreSettings
 from gateway.store.writer import _Q_SENT, LmdbWriter
@@ -35,8 +37,8 @@ log = logging.getLogger("gateway.store")
 
 
 class CommitBatches(LmdbWriter):
-    """The open batch and the batches in flight of an LMDB store, and their ``when_durable`` callbacks (see the
-    module's docstring); the base of :class:`~gateway.store.lmdb_store.LmdbStore`.
+    """The open batch and the batches in flight of an LMDB store, and their commit barriers (see the module's
+    docstring); the base of :class:`~gateway.store.lmdb_store.LmdbStore`.
 
     Args:
         settings: the ``[store]`` settings (``group_commit``, ``commit_interval``, ``lazy_commit`` are read here).
@@ -44,23 +46,27 @@ class CommitBatches(LmdbWriter):
 
     def __init__(self, settings: StoreSettings) -> None:
         super().__init__(settings)
-        self.on_callbacks_done: Callable[[], None] | None = None
+        #: Called on the loop after the writer reported batches (the I/O layer flushes what the reports caused).
+        self.on_batch_done: Callable[[], None] | None = None
+        #: Called on the loop with the last commit barrier of the batches a commit wrote (``Broker.committed``).
+        self.on_committed: Callable[[int], None] | None = None
+        #: Called on the loop with the last commit barrier of the batches a commit could not write, and whether for
+        #: lack of room (``Broker.failed``).
+        self.on_failed: Callable[[int, bool], None] | None = None
         #: Called on the loop with the client ids whose changes were left out of a commit (they failed alone),
-        #: before that commit's ``when_durable`` callbacks run: the broker closes their connections so that
-        #: nothing of theirs is acknowledged (``Broker.store_change_failed``).
+        #: before that commit's barrier is reported: the broker closes their connections so that nothing of
+        #: theirs is acknowledged (``Broker.store_change_failed``).
         self.on_change_failed: Callable[[set[str]], None] | None = None
         self._ops: list[tuple[Any, ...]] = []
         #: Sends of stored deliveries whose row is not patched yet, by seq: (client id, delivery). Turned into
         #: _Q_SENT operations when the batch is handed over; a delivery deleted before that needs none.
         self._sent: dict[int, tuple[str, Delivery]] = {}
-        self._cbs: list[Callable[[], None]] = []
-        self._fails: list[Callable[[bool], None]] = []  # the open batch's on_failure callbacks, in order
-        self._inflight: deque[list[Callable[[], None]]] = deque()
-        self._inflight_fail: deque[list[Callable[[bool], None]]] = deque()
-        #: A batch was handed over by when_durable itself (group_commit off) in this loop turn: a later callback of
-        #: this turn may own changes in it (recorded before a nested when_durable), so it is not a rider.
-        self._submitted_this_turn = False
+        #: A change was recorded since the last commit barrier (the barrier's answer: OWN or ORDER).
+        self._changed = False
+        self._barrier = 0  # the open batch's last commit barrier (0: none)
+        self._inflight: deque[int] = deque()  # the last barrier of each batch in flight (0: none)
         self._submit_scheduled = False
+        self._group_commit = settings.group_commit
         self._lazy: asyncio.TimerHandle | None = None  # a submit of changes nobody waits for, not yet due
         # Every queue row with a seq <= this was committed, except those reported to on_queue_rows_lost first.
         self.committed_seq = 0
@@ -71,10 +77,10 @@ class CommitBatches(LmdbWriter):
         self._long_names: dict[bytes, str] = {}  # hashed key part -> the client id it stands for
         self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
 
-    def attach(self, loop: asyncio.AbstractEventLoop, on_callbacks_done: Callable[[], None] | None = None) -> None:
-        """Bind to the event loop that records changes and runs ``when_durable`` callbacks."""
+    def attach(self, loop: asyncio.AbstractEventLoop, on_batch_done: Callable[[], None] | None = None) -> None:
+        """Bind to the event loop that records changes and gets the commit reports."""
         self.loop = loop
-        self.on_callbacks_done = on_callbacks_done
+        self.on_batch_done = on_batch_done
 
     def _owner_ids(self, owners: tuple[set[bytes], set[str]]) -> set[str]:
         parts, names = owners
@@ -92,39 +98,35 @@ class CommitBatches(LmdbWriter):
 
     def _committed(self, count: int, ok: bool = True, full: bool = True,
                    owners: tuple[set[bytes], set[str]] | None = None) -> None:
-        """Run the callbacks of ``count`` committed batches. Clients whose changes were left out (``owners``) are
-        reported first, so that their acknowledgements are not sent. When the write failed, run the batches'
-        ``on_failure`` callbacks (with ``full``: whether for lack of room) instead: nothing that was not written is
-        acknowledged."""
+        """``count`` batches in flight were committed (``ok``) or could not be (``full``: for lack of room): report
+        the last barrier among them to ``on_committed`` or ``on_failed``. Clients whose changes were left out
+        (``owners``) are reported first, so that their acknowledgements are not sent."""
         if owners is not None and self.on_change_failed is not None:
             try:
                 self.on_change_failed(self._owner_ids(owners))
             except Exception:
                 log.exception("store: on_change_failed failed")
-        ran = False
+        last = 0
         for _ in range(count):
             if not self._inflight:
                 break
-            callbacks = self._inflight.popleft()
-            failures = self._inflight_fail.popleft()
+            barrier = self._inflight.popleft()
             seq = self._inflight_seq.popleft()
-            if not ok:
-                for fail in failures:
-                    ran = True
-                    try:
-                        fail(full)
-                    except Exception:
-                        log.exception("durable failure callback failed")
-                continue
-            self.committed_seq = seq
-            for cb in callbacks:
-                ran = True
-                try:
-                    cb()
-                except Exception:
-                    log.exception("durable callback failed")
-        if ran and self.on_callbacks_done is not None:
-            self.on_callbacks_done()
+            if barrier:
+                last = barrier
+            if ok:
+                self.committed_seq = seq
+        if last:
+            try:
+                if ok:
+                    if self.on_committed is not None:
+                        self.on_committed(last)
+                elif self.on_failed is not None:
+                    self.on_failed(last, full)
+            except Exception:
+                log.exception("store: reporting barrier %d failed", last)
+        if self.on_batch_done is not None:
+            self.on_batch_done()
 
     def _schedule(self) -> None:
         if self._submit_scheduled:
@@ -132,29 +134,28 @@ class CommitBatches(LmdbWriter):
         self._submit_scheduled = True
         loop = self.loop
         if loop is None:
-            # No event loop (tools, unit tests): commit synchronously in the caller.
+            # No event loop (tools, unit tests): commit synchronously in the caller (a barrier then finds nothing
+            # open: DURABLE).
             self._submit_scheduled = False
             ops = self._take_ops()
-            cbs, self._cbs = self._cbs, []
-            fails, self._fails = self._fails, []
+            barrier, self._barrier = self._barrier, 0
             ok = self._commit(ops)
             owners = self._take_skipped()
             if owners is not None and self.on_change_failed is not None:
                 self.on_change_failed(self._owner_ids(owners))
             if ok:
                 self.committed_seq = self._seq - 1
-                for cb in cbs:
-                    cb()
-            else:
-                for fail in fails:
-                    fail(self.last_failure_full)
+            if barrier and ok and self.on_committed is not None:
+                self.on_committed(barrier)
+            elif barrier and not ok and self.on_failed is not None:
+                self.on_failed(barrier, self.last_failure_full)
         elif self.settings.commit_interval > 0:
             loop.call_later(self.settings.commit_interval, self._submit)
-        elif self._cbs or not self.settings.group_commit or not self.settings.lazy_commit:
+        elif self._barrier or not self.settings.group_commit or not self.settings.lazy_commit:
             loop.call_soon(self._submit)
         else:
             # Nobody waits for these changes yet (deletes after acknowledgements, Packet Identifier updates,
-            # QoS 0 queue rows): let them gather for a few milliseconds; a when_durable() brings the commit forward.
+            # QoS 0 queue rows): let them gather for a few milliseconds; a barrier brings the commit forward.
             self._lazy = loop.call_later(self.settings.lazy_commit, self._submit)
 
     def _submit(self) -> None:
@@ -162,26 +163,26 @@ class CommitBatches(LmdbWriter):
         if self._lazy is not None:
             self._lazy.cancel()
             self._lazy = None
+        barrier = self._barrier
+        self._barrier = 0
         if not self._ops and not self._sent:
-            if self._cbs:
-                cbs, self._cbs = self._cbs, []
-                self._fails = []
-                for cb in cbs:
-                    cb()
+            # Nothing to write (not expected: a barrier joins the open batch only when it holds changes).
+            if barrier and self._inflight:
+                self._inflight[-1] = barrier
+            elif barrier and self.on_committed is not None:
+                self.on_committed(barrier)
             return
         ops = self._take_ops()
-        cbs, self._cbs = self._cbs, []
         if not self._inflight:
             self.waiting_since = time.monotonic()
-        self._inflight.append(cbs)
-        self._inflight_fail.append(self._fails)
-        self._fails = []
+        self._inflight.append(barrier)
         self._inflight_seq.append(self._seq - 1)
         self._queue.put((ops, self._next_mid_hint, self._seq))
 
     def _take_ops(self) -> list[tuple[Any, ...]]:
         """The open batch, with the row patches of the sends in it last (after any new row they patch)."""
         ops, self._ops = self._ops, []
+        self._changed = False
         if self._sent:
             prefix, u64 = self._prefix, rec.u64
             ops.extend((_Q_SENT, prefix(cid) + u64(seq), d.packet_id, d.state) for seq, (cid, d) in self._sent.items())
@@ -190,6 +191,7 @@ class CommitBatches(LmdbWriter):
 
     def _record(self, op: tuple[Any, ...]) -> None:
         self._ops.append(op)
+        self._changed = True
         if not self._submit_scheduled:
             self._schedule()
 
@@ -207,48 +209,41 @@ class CommitBatches(LmdbWriter):
                 self._long_names[prefix[:-1]] = client_id
         return prefix
 
-    def when_durable(self, callback: Callable[[], None], on_failure: Callable[[bool], None] | None = None) -> None:
-        """Run ``callback`` on the loop once everything recorded so far is committed (FIFO with other callbacks);
-        when the batch holding it cannot be committed, run ``on_failure`` instead (its argument: True when for
-        lack of room, MDB_MAP_FULL/ENOSPC/EDQUOT), or nothing. A caller with no change of its own in that batch
-        (nothing open, the batch handed over in an earlier loop turn) gets ``callback`` either way, after the
-        batch's own failures: another client's failed commit does not refuse it."""
-        if self._ops or self._cbs or self._sent:
-            self._cbs.append(callback)
-            if on_failure is not None:
-                self._fails.append(on_failure)
-            if not self.settings.group_commit:
-                self._submit()
-                if not self._submitted_this_turn and self.loop is not None:
-                    self._submitted_this_turn = True
-                    self.loop.call_soon(self._turn_over)
-            elif self._lazy is not None:
-                # Someone waits now: commit at the end of this loop turn, not when the lazy timer fires.
-                self._lazy.cancel()
-                self._lazy = None
-                self._submit_scheduled = True
-                assert self.loop is not None
-                self.loop.call_soon(self._submit)
-        elif self._inflight:
-            self._inflight[-1].append(callback)  # FIFO: after the acknowledgements of the batch being written
-            if self._submitted_this_turn:
-                if on_failure is not None:
-                    self._inflight_fail[-1].append(on_failure)
-            else:
-                # A rider: nothing is open, and every batch in flight was handed over in an earlier loop turn, so
-                # none holds a change of this caller (a handler records and asks in one turn). If that batch
-                # fails, this one has lost nothing: it completes after the batch's own failures, still in order,
-                # and another client's failed commit never refuses it (isolation; DESIGN.md §4).
-                self._inflight_fail[-1].append(lambda _full: callback())
-        else:
-            callback()
+    def barrier(self, barrier: int) -> int:
+        """Commit barrier ``barrier`` after everything recorded so far (the port's ``SessionStore.barrier``): it
+        joins the open batch, or with nothing open the last batch in flight (to keep the order), and is reported
+        when that batch lands. DURABLE (nothing open or in flight: not reported), OWN or ORDER (changes recorded
+        since the previous barrier or not)."""
+        changed = self._changed
+        if changed or self._ops or self._sent:
+            self._changed = False
+            self._barrier = barrier
+            if self._lazy is not None or not self._group_commit:
+                self._bring_forward()
+            return OWN if changed else ORDER
+        if self._barrier:
+            self._barrier = barrier  # cannot happen: an open barrier has open changes
+            return ORDER
+        if self._inflight:
+            self._inflight[-1] = barrier  # reported with the batch being written, after its own barrier
+            return ORDER
+        return DURABLE
 
-    def _turn_over(self) -> None:
-        self._submitted_this_turn = False
+    def _bring_forward(self) -> None:
+        """A barrier joined the open batch: without group commit, hand it over now; else commit at the end of this
+        loop turn, not when the lazy timer fires."""
+        if not self._group_commit:
+            self._submit()
+            return
+        assert self._lazy is not None and self.loop is not None
+        self._lazy.cancel()
+        self._lazy = None
+        self._submit_scheduled = True
+        self.loop.call_soon(self._submit)
 
     def pending(self) -> bool:
-        """True while recorded changes or ``when_durable`` callbacks wait for a commit."""
-        return bool(self._ops or self._cbs or self._sent or self._inflight)
+        """True while recorded changes or commit barriers wait for a commit."""
+        return bool(self._ops or self._barrier or self._sent or self._inflight)
 
     def healthy(self, max_age: float = 30.0) -> bool:
         """True while the writer thread is alive and not stuck on a batch (for the systemd watchdog)."""
@@ -264,9 +259,7 @@ class CommitBatches(LmdbWriter):
             self._lazy = None
         if self._writer is not None and (self._ops or self._sent):
             ops = self._take_ops()
-            self._inflight.append(self._cbs)
-            self._inflight_fail.append(self._fails)
+            self._inflight.append(self._barrier)
             self._inflight_seq.append(self._seq - 1)
-            self._cbs = []
-            self._fails = []
+            self._barrier = 0
             self._queue.put((ops, self._next_mid_hint, self._seq))

@@ -1,12 +1,13 @@
-"""The LMDB implementation of the broker's :class:`~gateway.broker.store_port.SessionStore` (DESIGN.md §4).
+"""The LMDB implementation of the broker's :class:`~gateway.broker.store_port.SessionStore` (docs/architecture.md,
+"The durability contract").
 
 - One environment under ``[store] path``, named databases (see :mod:`gateway.store.records`).
 - All writes on one writer thread. The event loop records changes into the open batch; the batch is handed to
   the writer at the end of the loop turn (or after ``commit_interval``); batches that queue up while the writer
   is busy share one transaction (group commit). LMDB's default ``sync``/``metasync`` stay on.
-- ``when_durable`` callbacks (PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK) run on the loop, in order, once the
-  batch holding everything recorded before them is committed. Changes nobody waits for wait up to
-  ``lazy_commit`` (5 ms) to share a commit with later work.
+- Commit barriers (the core holds PUBACK, PUBREC, PUBCOMP, SUBACK, UNSUBACK under them) are reported back on the
+  loop, in order, once the batch holding everything recorded before them is committed (``on_committed``).
+  Changes nobody waits for wait up to ``lazy_commit`` (5 ms) to share a commit with later work.
 - Payloads are stored once. A message that a single queue row references when it is first stored is stored in
   that row (one write and one delete instead of two each). Any other message has a ``messages`` row,
   reference-counted by queue, inbound, retained and outbox rows; the counts of messages referenced more than once
@@ -22,21 +23,21 @@
 - Names in keys (client ids, Topic Filters, topics) longer than 160 bytes are hashed to a fixed 161-byte form
   (:func:`gateway.store.records.name_key`), so no key exceeds LMDB's maximum key size whatever clients send.
 - A batch that cannot be committed because there is no room (MDB_MAP_FULL at ``max_size``, ENOSPC or EDQUOT) runs
-  its ``when_durable`` ``on_failure`` callbacks instead of the callbacks (the broker answers 0x97 or disconnects)
+  reports its last barrier as failed (``on_failed``: the broker answers 0x97 or disconnects)
   and refuses new work (``has_room``) until a write succeeds again; while nothing else commits, the writer probes
   with a tiny write every ``_PROBE_INTERVAL`` seconds once the file system has ``_PROBE_FREE`` bytes free. Other
   batch-wide errors (I/O) fail the batch the same way without reporting the store full.
 - A change that fails on its own (any error but the above while it is applied, e.g. MDB_BAD_VALSIZE) does not
   fail the batch: the writer applies the batch again in nested transactions, halving the failing part until the
   failing changes are found, leaves them out, commits the rest, logs each at CRITICAL and reports the clients
-  they belong to (``on_change_failed``) before the batch's callbacks run.
+  they belong to (``on_change_failed``) before the batch's barrier is reported.
 
 Modules of the store (imports go down this list only):
 
 - :mod:`gateway.store.lmdb_store` (this one): :class:`LmdbStore`: the typed operations that record changes on the
   loop, opening, loading, quarantine, the ``has_room`` quota, ``stats``;
 - :mod:`gateway.store.batches`: :class:`~gateway.store.batches.CommitBatches` (the base of :class:`LmdbStore`): the
-  open batch, the batches in flight and their ``when_durable`` callbacks (riders included);
+  open batch, the batches in flight and their commit barriers;
 - :mod:`gateway.store.loading`: one loader per table, and the removal of what expired while the broker was down;
 - :mod:`gateway.store.writer`: :class:`~gateway.store.writer.LmdbWriter` (the base of ``CommitBatches``): the
   environment, the writer thread, group commit, applying operations, reference counts, isolation of failing
@@ -367,6 +368,7 @@ class LmdbStore(CommitBatches):
             # The row exists (or is recorded before this): only its Packet Identifier and state change, recorded
             # when the batch is handed over, unless the delivery is deleted first (acknowledged at once).
             self._sent[seq] = (client_id, delivery)
+            self._changed = True
         else:
             seq = delivery.seq = self._seq
             self._seq = seq + 1
@@ -380,6 +382,7 @@ class LmdbStore(CommitBatches):
                 enc = self._enc = (mid, rec.encode_message(message))
             self._ops.append((_Q_PUT, self._prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message,
                               enc[1]))
+            self._changed = True
         if not self._submit_scheduled:
             self._schedule()
 
@@ -401,6 +404,7 @@ class LmdbStore(CommitBatches):
                 if sent:
                     sent.pop(seq, None)
                 ops.append((_Q_DEL, prefix + u64(seq)))
+                self._changed = True
         if not self._submit_scheduled:
             self._schedule()
 

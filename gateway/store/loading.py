@@ -1,5 +1,5 @@
 """Reading the LMDB store back on start: one loader per table, and the transaction that removes what expired while
-the broker was down (DESIGN.md §4; the record formats are in :mod:`gateway.store.records`).
+the broker was down (the record formats are in :mod:`gateway.store.records`).
 
 The loaders run in this order in one read transaction, sharing a :class:`Loading`: sessions first (the other
 tables' rows are matched to their session by the key part, :func:`~gateway.store.records.split_key`), then

@@ -1,6 +1,6 @@
 """On-disk record formats and keys of the LMDB store. Keys are big-endian so cursor order is FIFO order
-(DESIGN.md §4); values are compact binary records built from MQTT's own encodings (UTF-8 strings with a
-2-byte length, MQTT 5.0 properties), never pickles.
+(docs/architecture.md, "The durability contract"); values are compact binary records built from MQTT's own
+encodings (UTF-8 strings with a 2-byte length, MQTT 5.0 properties), never pickles.
 
 Named databases:
 

@@ -1,4 +1,4 @@
-"""The ``[store]`` settings of the LMDB store (read by :mod:`gateway.server.config`; DESIGN.md §4)."""
+"""The ``[store]`` settings of the LMDB store (read by :mod:`gateway.server.config`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The named databases ("tables") of the LMDB store, by name (DESIGN.md §4; their keys and values are described in
+"""The named databases ("tables") of the LMDB store, by name (their keys and values are described in
 :mod:`gateway.store.records`).
 
 Code addresses a table as ``tables.queue``, never by a position: :class:`Tables` is opened once per environment

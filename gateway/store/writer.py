@@ -1,4 +1,5 @@
-"""The writer of the LMDB store: one thread that commits the batches the event loop hands over (DESIGN.md §4).
+"""The writer of the LMDB store: one thread that commits the batches the event loop hands over
+(docs/architecture.md, "The durability contract").
 
 :class:`LmdbWriter` is the writing half of :class:`~gateway.store.lmdb_store.LmdbStore` (its base class; the typed
 operations that record changes on the loop, loading and the tools are in :mod:`gateway.store.lmdb_store`):

@@ -1,4 +1,4 @@
-"""Upstream store-and-forward to cloud MQTT brokers (DESIGN.md §5, docs/upstream.md).
+"""Upstream store-and-forward to cloud MQTT brokers (docs/upstream.md).
 
 :class:`UpstreamBridge` owns one :class:`~gateway.upstream.link.UpstreamLink` per ``[[upstream]]`` entry; the
 runner attaches it to the broker before the listeners open and stops it before the store closes. Each link is the
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.upstream.config import UpstreamConfig
 from gateway.upstream.link import SENDER_PREFIX, UpstreamLink
 
 if TYPE_CHECKING:
+    from gateway.broker.actions import Action
     from gateway.broker.broker import Broker
 
 __all__ = ["SENDER_PREFIX", "UpstreamBridge", "UpstreamConfig", "UpstreamLink"]
@@ -24,9 +25,9 @@ __all__ = ["SENDER_PREFIX", "UpstreamBridge", "UpstreamConfig", "UpstreamLink"]
 class UpstreamBridge:
     """All upstream links of one broker."""
 
-    def __init__(self, configs: list[UpstreamConfig], broker: Broker, flush: Callable[[], None]) -> None:
+    def __init__(self, configs: list[UpstreamConfig], broker: Broker, perform: Callable[[list[Action]], Any]) -> None:
         self.broker = broker
-        self.links = [UpstreamLink(cfg, broker, flush) for cfg in configs]
+        self.links = [UpstreamLink(cfg, broker, perform) for cfg in configs]
 
     def attach(self, now: float) -> None:
         """Load each link's outbox and hook it into the broker's routing (before any client can publish)."""

@@ -5,7 +5,7 @@ module connects to the cloud broker with backoff and jitter, subscribes for the 
 events and performs what it returns, publishes the link's ``$SYS`` values, and reads the clock (:func:`_now`, the
 one place).
 
-Life of a forwarded message (DESIGN.md §5, docs/upstream.md):
+Life of a forwarded message (docs/upstream.md):
 
 1. :meth:`UpstreamLink.forward` runs inside ``gateway.broker.router.publish`` (``Broker.forwarders``), before the local
    publisher's PUBACK/PUBCOMP is registered: :meth:`Outbox.offer` records a QoS 1/2 message (or QoS 0 with
@@ -43,6 +43,7 @@ from gateway.upstream.outbox import SENDER_PREFIX, Outbox
 from gateway.upstream.verdicts import NOT_A_MESSAGE
 
 if TYPE_CHECKING:
+    from gateway.broker.actions import Action
     from gateway.broker.broker import Broker
     from gateway.broker.message import Message
 
@@ -187,14 +188,14 @@ class UpstreamLink:
     Args:
         cfg: the link's configuration.
         broker: the local broker (its store holds the outbox; the downlink publishes into it).
-        flush: asks the I/O layer to write what the broker queued (after a downlink or ``$SYS`` publish).
+        perform: hands the I/O layer the broker's actions of a downlink or ``$SYS`` publish (``BrokerIO.perform``).
     """
 
-    def __init__(self, cfg: UpstreamConfig, broker: Broker, flush: Callable[[], None]) -> None:
+    def __init__(self, cfg: UpstreamConfig, broker: Broker, perform: Callable[[list[Action]], Any]) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.broker = broker
-        self.flush = flush
+        self.perform = perform
         self.sender_id = SENDER_PREFIX + cfg.name
         self.outbox = Outbox(cfg, broker.store)
         self.state = STOPPED
@@ -462,7 +463,7 @@ class UpstreamLink:
                 expires_at = now + int(expiry)
         payload = msg.payload if isinstance(msg.payload, bytes) else str(msg.payload or "").encode()
         self.received += 1
-        self.broker.publish_local(
+        self.perform(self.broker.publish_local(
             local,
             bytes(payload),
             min(msg.qos, rule.qos),
@@ -471,8 +472,7 @@ class UpstreamLink:
             now,
             sender=self.sender_id,
             expires_at=expires_at,
-        )
-        self.flush()
+        ))
 
     def _tear_down(self, reason: str) -> None:
         """Close the current connection (if any); the connection task then backs off and reconnects."""
@@ -535,10 +535,9 @@ class UpstreamLink:
             len(self.outbox.entries),
             self.outbox.bytes,
         )
-        self.broker.publish_local(
+        self.perform(self.broker.publish_local(
             f"$SYS/broker/connection/{self.name}/warning", f"dropped {text}".encode(), 0, False, {}, now
-        )
-        self.flush()
+        ))
 
     def sys_values(self, now: float) -> dict[str, str]:
         """The link's ``$SYS/broker/connection/<name>/...`` values."""
@@ -569,15 +568,12 @@ class UpstreamLink:
     def publish_sys(self, now: float, only: tuple[str, ...] | None = None) -> None:
         """Publish the values that changed since the last time, retained, QoS 0."""
         sent = self._sys_sent
-        changed = False
         for key, value in self.sys_values(now).items():
             if (only is not None and key not in only) or sent.get(key) == value:
                 continue
             sent[key] = value
-            self.broker.publish_local(f"$SYS/broker/connection/{self.name}/{key}", value.encode(), 0, True, {}, now)
-            changed = True
-        if changed:
-            self.flush()
+            self.perform(self.broker.publish_local(f"$SYS/broker/connection/{self.name}/{key}", value.encode(), 0,
+                                                   True, {}, now))
 
     def _set_state(self, state: str, now: float) -> None:
         if state == self.state:

@@ -1,4 +1,4 @@
-"""The upstream outbox as a sans-I/O state machine (DESIGN.md §5, docs/upstream.md).
+"""The upstream outbox as a sans-I/O state machine (docs/upstream.md).
 
 :class:`Outbox` holds what one ``[[upstream]]`` link still has to deliver and decides what to send when: order per
 remote topic, the inflight window, the paced drain of a backlog, the live lane, re-sends after a reconnect, the
@@ -187,7 +187,7 @@ class Outbox:
 
     def offer(self, message: Message, now: float) -> bool:
         """A message the broker routed (the ``Broker.forwarders`` hook, inside ``router.publish``, before the
-        local publisher's PUBACK/PUBCOMP is registered, so a stored row is committed with it; DESIGN.md §4-5).
+        local publisher's PUBACK/PUBCOMP is registered, so a stored row is committed with it; docs/upstream.md).
 
         The first forward rule whose local filter matches decides the remote topic and the QoS
         (min(published, rule)). Returns True when the message was taken (an MQTT 5 publisher is then not told
