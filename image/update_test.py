@@ -282,7 +282,8 @@ def main() -> int:
     # message_expiry_interval: the broker's default (5 min) drops a message that waits longer for its offline
     # subscriber, and an update that rolls back takes longer than that under TCG; the session here must keep them.
     put_on_boot_partition(disk, "edge-gateway-settings.toml",
-                          f'gateway_id = "gw-field-07"\n\n[gateway.listeners.internal]\nmessage_expiry_interval = "2h"\n\n'
+                          f'gateway_id = "gw-field-07"\n\n'
+                          f'[gateway.listeners.internal]\nmessage_expiry_interval = "2h"\n\n'
                           f'[access]\nssh_authorized_keys = ["{key.with_suffix(".pub").read_text().strip()}"]\n')
     vm: Vm | None = None
     boot_n = 0
