@@ -28,14 +28,21 @@ done
 # sizes in 512-byte sectors; the end is kept 1 MiB aligned, like the image's own partitions
 new=$(( (total - start) / 2048 * 2048 ))
 if [ "$new" -le $((size + 2048)) ]; then
-    exit 0  # less than 1 MiB to gain: the usual boot
+    # less than 1 MiB to gain: the usual boot, unless an earlier boot grew the partition but not its file system
+    fs_bytes=$(tune2fs -l "$part" 2>/dev/null | awk -F: '/^Block count/ {n=$2} /^Block size/ {b=$2} END {printf "%.0f", n*b}')
+    if [ -n "$fs_bytes" ] && [ "$fs_bytes" -lt $(( (size - 2048) * 512 )) ]; then
+        resize2fs "$part" >/run/grow-data.log 2>&1 || say "resize2fs failed: $(tr '\n' ' ' < /run/grow-data.log)"
+    fi
+    exit 0
 fi
 say "growing $part (partition $number of /dev/$disk) from $((size / 2048)) MiB to $((new / 2048)) MiB"
-if ! echo "$start,$new" | sfdisk --no-reread --no-tell-kernel --quiet -N "$number" "/dev/$disk" >/run/grow-data.log 2>&1; then
+if ! echo "$start,$new" | sfdisk --no-reread --no-tell-kernel --quiet -N "$number" "/dev/$disk" \
+        >/run/grow-data.log 2>&1; then
     say "sfdisk failed, partition left as it is: $(tr '\n' ' ' < /run/grow-data.log)"; exit 1
 fi
 if ! resizepart "/dev/$disk" "$number" "$new" >/run/grow-data.log 2>&1; then
-    say "the kernel did not take the new size (it will at the next boot): $(tr '\n' ' ' < /run/grow-data.log)"; exit 1
+    say "the kernel did not take the new size (the next boot grows the file system): $(tr '\n' ' ' < /run/grow-data.log)"
+    exit 1
 fi
 if ! resize2fs "$part" >/run/grow-data.log 2>&1; then
     say "resize2fs failed: $(tr '\n' ' ' < /run/grow-data.log)"; exit 1
