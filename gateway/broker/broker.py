@@ -234,7 +234,7 @@ class Broker(BrokerState):
                     if not connect.hold(self, conn, packet, now):
                         connect.on_connect(self, conn, packet, now)
                 elif conn.state == HELD:
-                    conn.held.append(packet)  # handled once the throttled CONNECT is
+                    conn.held.append(packet)  # handled once the throttled CONNECT is (Connection.take_held)
                 else:
                     return
         except UnsupportedProtocolVersion as exc:
@@ -246,17 +246,15 @@ class Broker(BrokerState):
         """Handle the PUBLISH that waited for a ``max_publish_rate`` token; return the bytes to go on with (those
         that arrived meanwhile and ``data``), or ``None`` when it must wait longer (they are kept) or the
         connection closed."""
-        packet = conn.deferred
-        waiting = conn.deferred_data + data if conn.deferred_data else data
-        conn.deferred = None
-        conn.deferred_data = b""
+        packet, kept = conn.take_deferred()
+        waiting = kept + data if kept else data
         try:
             inbound.on_publish(self, conn, packet, now)
         except MQTTError as exc:
             self._protocol_error(conn, exc, now)
             return None
         if conn.deferred is not None:  # still no token
-            conn.deferred_data = waiting
+            conn.keep_reading_later(waiting)
             return None
         return waiting if conn.state != CLOSED else None
 
@@ -370,7 +368,7 @@ class Broker(BrokerState):
         packets that arrived behind them, in order."""
         for conn in [c for c in self.held if now >= c.held_until]:
             self.held.discard(conn)
-            packets, conn.held = conn.held, []
+            packets = conn.take_held()
             if conn.state != HELD:
                 continue
             conn.move_to(AWAITING_CONNECT)
@@ -561,6 +559,6 @@ def _on_disconnect(core: BrokerState, conn: Connection, p: Disconnect, now: floa
             elif was:
                 core.store.session_deleted(session.client_id)
         publish_will = p.reason_code == RC.DISCONNECT_WITH_WILL_MESSAGE
-    if not publish_will:
-        conn.will = None  # a normal DISCONNECT discards the Will [MQTT-3.1.2-10] [MQTT-3.14.4-3]
+    # A normal DISCONNECT discards the Will [MQTT-3.1.2-10] [MQTT-3.14.4-3]: detach takes it and publishes it only
+    # with publish_will.
     session_lifecycle.close(core, conn, now, publish_will=publish_will)

@@ -117,8 +117,7 @@ def hold(core: BrokerState, conn: Connection, p: Connect, now: float) -> bool:
         return False
     core.stats.refused["auth_throttled"] += 1
     conn.move_to(HELD)
-    conn.held = [p]
-    conn.held_until = now + delay
+    conn.hold(p, now + delay)
     core.held.add(conn)
     return True
 

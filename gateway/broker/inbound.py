@@ -215,7 +215,7 @@ def spend_publish_token(core: BrokerState, conn: Connection, p: Publish, rate: f
                           "%s (%s): more than max_publish_rate = %g PUBLISH/s; reading paused", conn.peer,
                           conn.client_id, rate)
     conn.paused_until = now + (1.0 - tokens) / rate
-    conn.deferred = p
+    conn.defer(p)
     return False
 
 

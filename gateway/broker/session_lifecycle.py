@@ -41,8 +41,7 @@ def detach(core: BrokerState, conn: Connection, now: float, publish_will: bool) 
     core.connections.pop(conn, None)
     core.deadlines.unschedule(conn)
     session = conn.session
-    will = conn.will
-    conn.will = None
+    will = conn.take_will()
     if session is None or session.conn is not conn:
         return
     session.conn = None

@@ -291,6 +291,36 @@ class Connection:
         """The core closed this connection without writing what is left (stuck past ``send_timeout``)."""
         return self.closing == 2
 
+    def take_will(self) -> Will | None:
+        """The Will Message the connection still carries, which it no longer does after this call: the session
+        ending decides whether it is published [MQTT-3.1.2-8] or discarded [MQTT-3.1.2-10]."""
+        will, self.will = self.will, None
+        return will
+
+    def hold(self, packet: Any, until: float) -> None:
+        """Hold the CONNECT ``packet`` until ``until`` (wall-clock seconds): the failure throttle's delay."""
+        self.held = [packet]
+        self.held_until = until
+
+    def take_held(self) -> list[Any]:
+        """The held CONNECT and the packets that arrived behind it, in order; nothing is held after this call."""
+        packets, self.held = list(self.held), ()
+        return packets
+
+    def defer(self, packet: Any) -> None:
+        """Keep the PUBLISH ``packet`` until a ``max_publish_rate`` token frees it."""
+        self.deferred = packet
+
+    def take_deferred(self) -> tuple[Any, bytes]:
+        """The deferred PUBLISH and the bytes read after it; nothing is deferred after this call."""
+        packet, data = self.deferred, self.deferred_data
+        self.deferred, self.deferred_data = None, b""
+        return packet, data
+
+    def keep_reading_later(self, data: bytes) -> None:
+        """Keep ``data``, read while a PUBLISH is deferred, for when its token comes."""
+        self.deferred_data = data
+
     def move_to(self, state: ConnState) -> None:
         """Change :attr:`state` to ``state``; :class:`~gateway.broker.connection_states.IllegalTransition` when
         :data:`~gateway.broker.connection_states.ALLOWED` does not list the change (a bug in the core)."""
