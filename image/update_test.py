@@ -5,8 +5,9 @@ The image boots as a board does (OVMF, then GRUB from its EFI system partition c
 counting, image/rauc/grub.cfg); RAUC installs signed bundles from a "USB stick" (a second disk, labelled EG-STICK);
 edge-gateway-health.service commits a new slot or rolls it back. The probe (image/probe/probe.sh, in its served mode)
 takes commands over the broker itself (probe/command, through qemu's hostfwd on this host's 127.0.0.1 only) and
-reports on the serial console. A qemu run ends at a poweroff or a power cut (SIGKILL); the guest's reboots stay in
-the run (ansible's reboot waits for the same machine), and GRUB's state (grubenv) carries the A/B choice over them.
+reports on the serial console. A qemu run ends at a poweroff or a power cut (SIGKILL); when the guest reboots, qemu
+is started again on the same disk, ports and serial log, as a board's reset does (ansible's reboot waits for the
+same machine), and GRUB's state (grubenv) carries the A/B choice over them.
 
 0. The disk is 2 GiB larger than the image, as a card is: the first boot grows the data partition into it. Per-board
    settings: before the first boot a valid ``edge-gateway-settings.toml`` (a gateway id, a message expiry longer than
@@ -289,7 +290,8 @@ def main() -> int:
     boot_n = 0
 
     def boot(params: str, port: bool = True, reboot: bool = False) -> Vm:
-        """One qemu run; ``reboot``: the guest's reboots stay in it (a playbook waits for the same machine)."""
+        """One qemu run; ``reboot``: qemu starts again after each guest reboot (a playbook waits for the same
+        machine)."""
         nonlocal boot_n
         boot_n += 1
         serial = work / f"serial-boot{boot_n}.log"

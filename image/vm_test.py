@@ -161,25 +161,44 @@ class Vm:
     drives: list[Path] = field(default_factory=list)
     #: this host's 127.0.0.1 port forwarded to the guest's SSH server (22), 0 = none
     ssh_port: int = 0
-    #: a reboot of the guest reboots in place (a playbook's reboot waits for the same machine); else it ends the run
+    #: a reboot of the guest starts qemu again on the same disk, ports and serial log, as a board's reset does
+    #: (a playbook's reboot waits for the same machine); else a reboot ends the run. qemu itself always runs with
+    #: ``-no-reboot``: OVMF and GRUB after qemu's warm reset under TCG were seen to spin before loading a kernel.
     reboot: bool = False
     proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
     started: float = 0.0
+    #: how many times the guest rebooted and qemu was started again (``reboot``)
+    restarts: int = 0
     probe: list[str] = field(default_factory=list)
     _pos: int = 0
     _buf: str = ""
+    _boot_at: int = 0  # the serial log's size when the current qemu started
+    _stopping: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _supervisor: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start qemu on a fresh serial log; with ``reboot``, a thread starts it again after each guest reboot."""
         for path in (self.serial, self.trace):
             path.unlink(missing_ok=True)
+        self.started = time.monotonic()
+        self._launch()
+        if self.reboot:
+            self._supervisor = threading.Thread(target=self._supervise, name="qemu-reboots", daemon=True)
+            self._supervisor.start()
+
+    def _launch(self) -> None:
+        """One qemu process, appending to the serial log; its PID from ``-pidfile``."""
+        self._boot_at = self.serial.stat().st_size if self.serial.exists() else 0
+        self.pid = 0
         pidfile = self.serial.with_suffix(".pid")
         pidfile.unlink(missing_ok=True)
         drive = f"file={self.disk},format=raw,cache=writeback,aio=threads"
         if self.snapshot:
             drive += ",snapshot=on"
         disk = ["-drive", f"{drive},if=none,id=hd0", "-device", "virtio-blk-pci,drive=hd0"]
-        serial = ["-serial", f"file:{self.serial}"]
+        serial = ["-chardev", f"file,id=serial0,path={self.serial},append=on", "-serial", "chardev:serial0"]
         if self.arch.raspi:
             disk = ["-drive", f"{drive},if=sd", "-dtb", self.arch.dtb]
             serial = ["-serial", "null", *serial]
@@ -206,13 +225,13 @@ class Vm:
                     "-append", f"root={self.arch.root} ro console={self.arch.console} panic=-1 {self.cmdline}"]
         # strace counts the fdatasync/fsync calls qemu makes on the disk file: the guest's flushes reaching it
         # (--seccomp-bpf: only those system calls stop qemu).
-        cmd = ["timeout", "--signal=KILL", str(int(self.limit)),
+        left = max(int(self.limit - (time.monotonic() - self.started)), 1)
+        cmd = ["timeout", "--signal=KILL", str(left),
                "strace", "-f", "--seccomp-bpf", "-qq", "-y", "-e", "trace=fdatasync,fsync", "-o", str(self.trace),
                *self.arch.qemu, "-accel", os.environ.get("IMAGE_TEST_ACCEL", "tcg"),
-               *([] if self.reboot else ["-no-reboot"]), "-display", "none", "-monitor", "none", *serial,
+               "-no-reboot", "-display", "none", "-monitor", "none", *serial,
                "-pidfile", str(pidfile),
                *boot, *disk, *net]
-        self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         end = time.monotonic() + 30
         while not self.pid:
@@ -226,6 +245,38 @@ class Vm:
                 raise RuntimeError("qemu wrote no pidfile within 30 s")
             time.sleep(0.1)
         pidfile.unlink(missing_ok=True)
+
+    def _powered_off(self) -> bool:
+        """The current qemu's guest powered off (the kernel's last console line), rather than rebooted."""
+        try:
+            with self.serial.open("rb") as f:
+                f.seek(self._boot_at)
+                return b"reboot: Power down" in f.read()
+        except FileNotFoundError:
+            return False
+
+    def _supervise(self) -> None:
+        """Start qemu again after each guest reboot, until a poweroff, a :meth:`kill` or the time limit."""
+        while True:
+            proc = self.proc
+            assert proc is not None
+            code = proc.wait()
+            with self._lock:
+                if self._stopping or code != 0 or self._powered_off():
+                    return  # killed, timed out (timeout's SIGKILL) or powered off: the run is over
+                self.restarts += 1
+                log(f"the guest rebooted: qemu starts again on the same disk and ports (boot {self.restarts + 1})")
+                try:
+                    self._launch()
+                except RuntimeError as exc:
+                    log(f"qemu did not start again: {exc}")
+                    return
+
+    def running(self) -> bool:
+        """qemu runs, or is being started again after a guest reboot."""
+        if self._supervisor is not None and self._supervisor.is_alive():
+            return True
+        return self.proc is not None and self.proc.poll() is None
 
     def lines(self) -> list[str]:
         """The probe's new lines in the serial log (also kept in ``self.probe``)."""
@@ -250,14 +301,22 @@ class Vm:
                 print(f"  edge-gateway-probe: {line}", flush=True)
                 if line.startswith(prefix):
                     return line
-            if self.proc is not None and self.proc.poll() is not None:
+            if self.proc is not None and not self.running():
                 raise RuntimeError(f"qemu exited with {self.proc.returncode} before the probe printed {prefix!r}")
             if time.monotonic() > end:
                 raise RuntimeError(f"no {prefix!r} from the probe within {seconds:.0f} s")
             time.sleep(0.25)
 
     def wait_exit(self, seconds: float) -> int:
+        """Wait for the run to end by itself (a poweroff; with ``reboot``, not a reboot); SIGKILL after
+        ``seconds``. qemu's exit status."""
         assert self.proc is not None
+        if self._supervisor is not None:
+            self._supervisor.join(seconds)
+            if self._supervisor.is_alive():
+                self.kill()
+            assert self.proc is not None
+            return self.proc.wait(30)
         try:
             return self.proc.wait(seconds)
         except subprocess.TimeoutExpired:
@@ -265,13 +324,17 @@ class Vm:
             return self.proc.wait(30)
 
     def kill(self) -> None:
-        """SIGKILL qemu (by its PID): the power cut."""
-        if self.pid and self.proc is not None and self.proc.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(30)
+        """SIGKILL qemu (by its PID): the power cut. A guest reboot in progress is not started again."""
+        with self._lock:
+            self._stopping = True
+            if self.pid and self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(30)
+        if self._supervisor is not None:
+            self._supervisor.join(60)
 
     def flushes(self) -> int:
         """fdatasync/fsync calls qemu made on the disk file during this run (strace), -1 without a trace."""
