@@ -3,7 +3,8 @@ in memory and the rest only in the LMDB store, read back as it drains (gateway/b
 
 Paging must not change what a subscriber gets. The Message Queue's rules (docs/architecture.md, "Session semantics")
 still hold: FIFO order, ``max_mqueue_len`` with the oldest dropped and QoS 0 dropped first. A restart (SIGTERM or
-SIGKILL) restores the same queue.
+SIGKILL) restores the same queue. The ``seed_000`` ... ``seed_004`` prefixes of test names name the group of session
+semantics a test checks, as in tests/test_core.py.
 
 - The queue is checked against the reference model of tests/test_mqueue.py on a real LmdbStore. Commits are left
   pending or let through at random points, so entries sit in all three parts of the queue: in memory, paged, and
