@@ -242,6 +242,7 @@ class Vm:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"qemu exited with {self.proc.returncode} before it started")
             if time.monotonic() > end:
+                self._kill_group()
                 raise RuntimeError("qemu wrote no pidfile within 30 s")
             time.sleep(0.1)
         pidfile.unlink(missing_ok=True)
@@ -323,6 +324,16 @@ class Vm:
             self.kill()
             return self.proc.wait(30)
 
+    def _kill_group(self) -> None:
+        """SIGKILL ``timeout``'s process group (it makes one: strace and qemu are in it), for a qemu whose PID was
+        never read; the processes are waited for."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
     def kill(self) -> None:
         """SIGKILL qemu (by its PID): the power cut. A guest reboot in progress is not started again."""
         with self._lock:
@@ -333,6 +344,7 @@ class Vm:
                 except ProcessLookupError:
                     pass
                 self.proc.wait(30)
+            self._kill_group()
         if self._supervisor is not None:
             self._supervisor.join(60)
 

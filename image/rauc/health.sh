@@ -103,8 +103,12 @@ print(cfg.get("broker", {}).get("gateway_id") or socket.gethostname(), port)
     port=${found##* }
     json=$(printf '{"outcome": "%s", "slot": "%s", "version": "%s", "previous": "%s", "at": "%s", "detail": "%s"}' \
         "$outcome" "$slot" "$version" "${previous:-}" "$now" "$(echo "$detail" | tr -d '"\\')")
-    if [ -n "$port" ]; then  # retried: the broker may be restarting
-        for _ in 1 2 3 4 5 6 7 8 9 10 11 12; do
+    # Retried while the broker runs (it may be restarting); a broker that is not running (the rollback of an update
+    # whose broker cannot start) gets one try, so the rollback is not held up for a minute.
+    tries="1 2 3 4 5 6 7 8 9 10 11 12"
+    systemctl is-active --quiet "$GW" || tries=1
+    if [ -n "$port" ]; then
+        for _ in $tries; do
             timeout 20 mosquitto_pub -h 127.0.0.1 -p "$port" -q 1 -r -t "gateway/$gateway_id/update" -m "$json" \
                 2>/run/edge-gateway-health.err && return 0
             sleep 5
