@@ -121,9 +121,10 @@ fuzz: venv
 
 # The gateway image (README "The appliance"): a Debian bookworm root filesystem from the host's apt mirror,
 # provisioned with ansible/site.yml through the chroot connection, written as build/appliance/edge-gateway-$(ARCH).img
-# (boot, read-only root and data partitions) + .bmap. Needs root. `make image-test` boots it under qemu (TCG), checks
-# the services inside and cuts its power 3 times (image/vm_test.py). ARCH=arm64: the Raspberry Pi / arm64 image, built
-# with qemu-user (binfmt_misc registered for the build only) and booted under qemu-system-aarch64 -M virt (not in make
+# (boot, A/B read-only root slots and data partitions) + .bmap. Needs root. `make image-test` boots it under qemu (TCG)
+# through its own boot loader, checks the services inside and cuts its power 3 times (image/vm_test.py). ARCH=arm64:
+# the Raspberry Pi / arm64 image, built with qemu-user (binfmt_misc registered for the build only) and booted under
+# qemu-system-aarch64 -M virt through U-Boot (u-boot-qemu's qemu_arm64 as its firmware, the image's boot.scr; not in make
 # test: about 22 min to build, 11 with the base cached, and 6 min to boot, check and cut the power 3 times on this
 # 2-core machine: README "The arm64 image"). `make image-test` rebuilds the image first; image/boot-test.sh boots a
 # built one again (IMAGE_ARCH=arm64).
@@ -131,7 +132,7 @@ fuzz: venv
 ARCH ?= amd64
 RUNS ?= 20
 IMAGE_APT_PACKAGES := mmdebstrap arch-test qemu-system-x86 qemu-system-arm qemu-user-static e2fsprogs dosfstools mtools \
-	fdisk bmap-tools strace ovmf rauc squashfs-tools
+	fdisk bmap-tools strace ovmf rauc squashfs-tools u-boot-tools u-boot-qemu
 
 image-deps:
 	@missing=""; for p in $(IMAGE_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -146,11 +147,12 @@ image: venv image-deps
 image-test: image
 	IMAGE_ARCH=$(ARCH) image/boot-test.sh
 
-# The field-update test (image/update_test.py, amd64; not part of `make test`, see README "Updating gateways in the
-# field" for its stage times): the image booted through OVMF and GRUB, v1 -> v2 by rauc install, three bundles
-# refused, a broken v3 rolled back by the health check and GRUB, a power cut during an install.
+# The field-update test (image/update_test.py; not part of `make test`, see README "Updating gateways in the
+# field" for its stage times): the image booted through its boot loader (amd64 OVMF and GRUB, arm64 U-Boot), v1 -> v2
+# by rauc install, three bundles refused, a broken v3 rolled back by the health check and the boot loader, a power cut
+# during an install.
 image-update-test: image
-	$(BIN)/python image/update_test.py
+	$(BIN)/python image/update_test.py --arch $(ARCH)
 
 # A signed RAUC update bundle of the image's root (image/rauc/bundle.sh): build/appliance/edge-gateway-VERSION-ARCH.raucb.
 # Signed with IMAGE_SIGNING_CERT / IMAGE_SIGNING_KEY, else a development key made once (build/appliance/keys/, loudly).
