@@ -53,9 +53,9 @@ else
 fi
 echo "edge-gateway: booting slot ${eg_slot} (BOOT_ORDER=${BOOT_ORDER} BOOT_A_LEFT=${BOOT_A_LEFT} BOOT_B_LEFT=${BOOT_B_LEFT})"
 
-# Memory: the initrd 128 MiB and the decompression buffer 192 MiB above the kernel (Debian's arm64 vmlinuz is gzip,
-# which booti unpacks through kernel_comp_addr_r): the same layout on qemu's virt board (RAM from 0x40000000) and on
-# the Pi (from 0), 512 MiB or more.
+# Memory: the initrd 128 MiB above the kernel (Debian's arm64 vmlinuz is an uncompressed Image of about 30 MiB that
+# booti may move up to the next 2 MiB), and 192 MiB above it the buffer where booti would unpack a compressed one
+# (Image.gz): the same layout on qemu's virt board (RAM from 0x40000000) and on the Pi (from 0), 512 MiB or more.
 setexpr ramdisk_addr_r ${kernel_addr_r} + 0x8000000
 setexpr kernel_comp_addr_r ${kernel_addr_r} + 0xc000000
 part uuid ${devtype} ${devnum}:${eg_part} eg_partuuid
