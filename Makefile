@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools
+APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools u-boot-qemu u-boot-tools \
+	qemu-system-arm dosfstools mtools fdisk
 
 .PHONY: demo test test-cluster test-cross lint venv deps clean bench soak fuzz image image-test image-powercut image-deps bundle image-update-test
 
@@ -24,7 +25,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 venv: $(VENV)/.installed
 
 # Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; rauc and
-# squashfs-tools make and check the update bundles of tests/test_update_bundles.py; chromium renders the
+# squashfs-tools make and check the update bundles of tests/test_update_bundles.py; U-Boot for qemu's arm64 virt
+# board, mkimage and qemu-system-aarch64 run the arm64 image's A/B boot script in tests/test_uboot_ab.py (with
+# dosfstools, mtools and fdisk for its small disk); chromium renders the
 # pipeline report headless and runs mqtt.js over WebSockets, which npm installs into that test's temp dir: npm is
 # installed when missing, unless a nodejs without it is there (NodeSource's bundles npm; Debian's conflicts with it),
 # and the browser test skips without it).
