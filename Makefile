@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools
+APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools u-boot-qemu u-boot-tools \
+	qemu-system-arm dosfstools mtools fdisk
 
 .PHONY: demo test test-cluster test-cross lint venv deps clean bench soak fuzz image image-test image-powercut image-deps bundle image-update-test
 
@@ -24,7 +25,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 venv: $(VENV)/.installed
 
 # Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; rauc and
-# squashfs-tools make and check the update bundles of tests/test_update_bundles.py; chromium renders the
+# squashfs-tools make and check the update bundles of tests/test_update_bundles.py; U-Boot for qemu's arm64 virt
+# board, mkimage and qemu-system-aarch64 run the arm64 image's A/B boot script in tests/test_uboot_ab.py (with
+# dosfstools, mtools and fdisk for its small disk); chromium renders the
 # pipeline report headless and runs mqtt.js over WebSockets, which npm installs into that test's temp dir: npm is
 # installed when missing, unless a nodejs without it is there (NodeSource's bundles npm; Debian's conflicts with it),
 # and the browser test skips without it).
@@ -122,9 +125,10 @@ fuzz: venv
 
 # The gateway image (README "The appliance"): a Debian bookworm root filesystem from the host's apt mirror,
 # provisioned with ansible/site.yml through the chroot connection, written as build/appliance/edge-gateway-$(ARCH).img
-# (boot, read-only root and data partitions) + .bmap. Needs root. `make image-test` boots it under qemu (TCG), checks
-# the services inside and cuts its power 3 times (image/vm_test.py). ARCH=arm64: the Raspberry Pi / arm64 image, built
-# with qemu-user (binfmt_misc registered for the build only) and booted under qemu-system-aarch64 -M virt (not in make
+# (boot, A/B read-only root slots and data partitions) + .bmap. Needs root. `make image-test` boots it under qemu (TCG)
+# through its own boot loader, checks the services inside and cuts its power 3 times (image/vm_test.py). ARCH=arm64:
+# the Raspberry Pi / arm64 image, built with qemu-user (binfmt_misc registered for the build only) and booted under
+# qemu-system-aarch64 -M virt through U-Boot (u-boot-qemu's qemu_arm64 as its firmware, the image's boot.scr; not in make
 # test: about 22 min to build, 11 with the base cached, and 6 min to boot, check and cut the power 3 times on this
 # 2-core machine: README "The arm64 image"). `make image-test` rebuilds the image first; image/boot-test.sh boots a
 # built one again (IMAGE_ARCH=arm64).
@@ -132,7 +136,7 @@ fuzz: venv
 ARCH ?= amd64
 RUNS ?= 20
 IMAGE_APT_PACKAGES := mmdebstrap arch-test qemu-system-x86 qemu-system-arm qemu-user-static e2fsprogs dosfstools mtools \
-	fdisk bmap-tools strace ovmf rauc squashfs-tools
+	fdisk bmap-tools strace ovmf rauc squashfs-tools u-boot-tools u-boot-qemu
 
 image-deps:
 	@missing=""; for p in $(IMAGE_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -147,11 +151,12 @@ image: venv image-deps
 image-test: image
 	IMAGE_ARCH=$(ARCH) image/boot-test.sh
 
-# The field-update test (image/update_test.py, amd64; not part of `make test`, see README "Updating gateways in the
-# field" for its stage times): the image booted through OVMF and GRUB, v1 -> v2 by rauc install, three bundles
-# refused, a broken v3 rolled back by the health check and GRUB, a power cut during an install.
+# The field-update test (image/update_test.py; not part of `make test`, see README "Updating gateways in the
+# field" for its stage times): the image booted through its boot loader (amd64 OVMF and GRUB, arm64 U-Boot), v1 -> v2
+# by rauc install, three bundles refused, a broken v3 rolled back by the health check and the boot loader, a power cut
+# during an install.
 image-update-test: image
-	$(BIN)/python image/update_test.py
+	$(BIN)/python image/update_test.py --arch $(ARCH)
 
 # A signed RAUC update bundle of the image's root (image/rauc/bundle.sh): build/appliance/edge-gateway-VERSION-ARCH.raucb.
 # Signed with IMAGE_SIGNING_CERT / IMAGE_SIGNING_KEY, else a development key made once (build/appliance/keys/, loudly).

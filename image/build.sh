@@ -3,19 +3,19 @@
 #
 #   build/appliance/base-ARCH-KEY.tar        mmdebstrap output (cached; keyed by this recipe, the packages, the sources)
 #   build/appliance/rootfs-ARCH/             the root filesystem, provisioned through Ansible's chroot connection
-#   build/appliance/edge-gateway-ARCH.img    the disk, MBR. amd64: 1 boot (the EFI system partition, FAT32, EG-BOOT:
-#                                            GRUB and its A/B state), 2 and 3 the root slots A and B (ext4, mounted
-#                                            read-only; B empty until the first update), 4 data (ext4, eg-data,
-#                                            /var/lib/edge-gateway). arm64: 1 boot (FAT32, EG-BOOT), 2 root (ext4,
-#                                            eg-root, read-only), 3 data.
+#   build/appliance/edge-gateway-ARCH.img    the disk, MBR: 1 boot (FAT32, EG-BOOT: amd64 the EFI system partition with
+#                                            GRUB and its A/B state grubenv; arm64 U-Boot's boot.scr and its A/B state
+#                                            boot-state.env, and the Raspberry Pi firmware), 2 and 3 the root slots A
+#                                            and B (ext4, mounted read-only; B empty until the first update), 4 data
+#                                            (ext4, eg-data, /var/lib/edge-gateway).
 #   build/appliance/edge-gateway-ARCH.img.bmap      for `bmaptool copy`
 #   build/appliance/edge-gateway-ARCH-root.ext4     the root partition alone: what `make bundle` signs for RAUC
 #   build/appliance/edge-gateway-ARCH.version       the image's version (IMAGE_VERSION; /etc/edge-gateway-release)
 #
 # amd64 boots through GRUB (EFI), which picks the root slot with RAUC's boot counting (image/rauc/grub.cfg) and
-# loads the kernel and initrd from that slot. On arm64 the boot partition holds the kernel and initrd (and the
-# Raspberry Pi firmware, config.txt, cmdline.txt and device trees, as Debian's raspi images have them);
-# `make image-test` boots the kernel and initrd it finds there.
+# loads the kernel and initrd from that slot. arm64 boots through U-Boot, whose boot script (image/rauc/boot.cmd)
+# does the same for RAUC's uboot backend: the board's U-Boot on generic arm64 and under qemu (Debian's u-boot-qemu),
+# on the Raspberry Pi u-boot-rpi's, which the Pi firmware on the boot partition starts (config.txt kernel=u-boot.bin).
 # Runs as root (mmdebstrap --mode=root, chroot, files owned by system users). mmdebstrap's temporary mounts of
 # /proc, /sys and /dev live in a private mount namespace (unshare), so none can outlive the build. No loop device and
 # no mount: the file systems are made from directories (mkfs.ext4 -d, mkfs.vfat + mcopy) and put into the disk with
@@ -48,7 +48,12 @@ case "$ARCH" in
     # GRUB for EFI (its modules and grub-editenv, which RAUC's grub backend runs) and RAUC for the A/B updates: the
     # rauc command line hands every request to the rauc service (rauc-service) over the D-Bus system bus
     amd64) QEMU_CPU=x86_64; PACKAGES+=(grub-efi-amd64-bin rauc rauc-service dbus) ;;
-    arm64) QEMU_CPU=aarch64; PACKAGES+=(raspi-firmware dosfstools); COMPONENTS="main non-free-firmware" ;;
+    # U-Boot boots arm64 (image/rauc/boot.cmd): u-boot-rpi's rpi_arm64 build on the Raspberry Pi (started by the Pi
+    # firmware of raspi-firmware), Debian's u-boot-qemu on generic boards and under qemu (the board's firmware, not
+    # part of the image); RAUC's uboot backend reads and writes the boot state with libubootenv's fw_printenv and
+    # fw_setenv
+    arm64) QEMU_CPU=aarch64; COMPONENTS="main non-free-firmware"
+           PACKAGES+=(raspi-firmware dosfstools u-boot-rpi libubootenv-tool rauc rauc-service dbus) ;;
     *) printf 'image: ARCH=%s: must be amd64 or arm64\n' "$ARCH" >&2; exit 2 ;;
 esac
 
@@ -62,7 +67,9 @@ stage() {  # stage NAME: prints the time the previous stage took
 }
 
 [ "$(id -u)" = 0 ] || die "run as root (mmdebstrap --mode=root, chroot provisioning)"
-for tool in mmdebstrap mkfs.ext4 mkfs.vfat mcopy sfdisk bmaptool; do
+tools=(mmdebstrap mkfs.ext4 mkfs.vfat mcopy sfdisk bmaptool)
+[ "$ARCH" = arm64 ] && tools+=(mkimage mkenvimage)  # U-Boot's boot script and its A/B state (u-boot-tools)
+for tool in "${tools[@]}"; do
     command -v "$tool" >/dev/null || die "$tool is missing: make image-deps"
 done
 [ -x "$VENV_BIN/ansible-playbook" ] || die "$VENV_BIN/ansible-playbook is missing: make venv (the deploy extra)"
@@ -162,26 +169,16 @@ printf '127.0.0.1\tlocalhost\n127.0.1.1\tedge-gateway\n::1\t\tlocalhost ip6-loca
     > "$rootfs/etc/hosts"
 # The root is read-only (README "Read-only root"): what must be written at run time is on the data partition
 # (/var/lib/edge-gateway: the store) or in memory (/tmp, /var/tmp, /run; the journal is volatile, in /run).
-if [ "$ARCH" = amd64 ]; then
-    # The root is whichever slot GRUB booted (root=PARTUUID=... ro on the kernel command line): no line for it here.
-    # The EFI system partition is writable: RAUC's grub backend writes the A/B state (grubenv) there.
-    cat > "$rootfs/etc/fstab" <<'FSTAB'
+# The root is whichever slot the boot loader booted (root=PARTUUID=... ro on the kernel command line): no line for it
+# here (both slots carry the label eg-root). The boot partition is writable: RAUC's boot loader backend writes the A/B
+# state there (grubenv, boot-state.env).
+cat > "$rootfs/etc/fstab" <<'FSTAB'
 # <file system>	<mount point>	<type>	<options>	<dump>	<pass>
 LABEL=eg-data	/var/lib/edge-gateway	ext4	rw,noatime,nodev,nosuid,noexec	0	2
 LABEL=EG-BOOT	/boot/firmware	vfat	rw,nofail,noatime,flush,umask=0077	0	2
 tmpfs	/tmp	tmpfs	mode=1777,nosuid,nodev,size=64M	0	0
 tmpfs	/var/tmp	tmpfs	mode=1777,nosuid,nodev,size=16M	0	0
 FSTAB
-else
-    cat > "$rootfs/etc/fstab" <<'FSTAB'
-# <file system>	<mount point>	<type>	<options>	<dump>	<pass>
-LABEL=eg-root	/	ext4	ro,noatime	0	1
-LABEL=eg-data	/var/lib/edge-gateway	ext4	rw,noatime,nodev,nosuid,noexec	0	2
-LABEL=EG-BOOT	/boot/firmware	vfat	ro,nofail,noatime,umask=0022	0	2
-tmpfs	/tmp	tmpfs	mode=1777,nosuid,nodev,size=64M	0	0
-tmpfs	/var/tmp	tmpfs	mode=1777,nosuid,nodev,size=16M	0	0
-FSTAB
-fi
 # An empty machine-id on a read-only root: systemd makes a new one each boot and mounts it from /run.
 : > "$rootfs/etc/machine-id"
 rm -f "$rootfs/var/lib/dbus/machine-id"
@@ -189,7 +186,8 @@ mkdir -p "$rootfs/boot/firmware" "$rootfs/var/lib/edge-gateway"
 # systemd-logind's StateDirectory: made here, as systemd cannot make it on the read-only root at boot
 install -d -m 0755 "$rootfs/var/lib/systemd/linger"
 if [ "$ARCH" = arm64 ]; then
-    # raspi-firmware's own hooks (kernel upgrades on a board) write cmdline.txt with this root.
+    # raspi-firmware's own hooks (a kernel installed on a board) write cmdline.txt with these consoles; the root
+    # is the slot U-Boot chose, which its boot script adds to the command line.
     printf 'ROOTPART=LABEL=eg-root\nCONSOLES="tty0 ttyS1,115200"\n' > "$rootfs/etc/default/raspi-firmware"
 fi
 
@@ -244,26 +242,33 @@ printf 'VERSION=%s\nARCH=%s\n' "$IMAGE_VERSION" "$ARCH" > "$rootfs/etc/edge-gate
 printf '%s\n' "$IMAGE_VERSION" > "$OUT/edge-gateway-$ARCH.version"
 
 # ---------------------------------------------------------------------------------------------- 4b. A/B updates
+# RAUC with two root slots (image/rauc/system.conf.in), the keyring bundles must chain to (image/rauc/keys.sh: the
+# operator's, or a development key made once), and the health check that commits or rolls back a new slot.
+# The boot loader backend: amd64 grub (grubenv on the EFI system partition), arm64 uboot (fw_printenv/fw_setenv on
+# boot-state.env, the file /etc/fw_env.config names: image/rauc/fw_env.config).
 if [ "$ARCH" = amd64 ]; then
-    # RAUC with two root slots (image/rauc/system.conf.in), the keyring bundles must chain to (image/rauc/keys.sh:
-    # the operator's, or a development key made once), and the health check that commits or rolls back a new slot.
-    mapfile -t signing < <("$ROOT_DIR/image/rauc/keys.sh" "$OUT")
-    sed -e "s/@COMPATIBLE@/edge-gateway-$ARCH/" -e "s/@DISKID@/$DISKID/" "$ROOT_DIR/image/rauc/system.conf.in" \
-        | install -D -m 0644 /dev/stdin "$rootfs/etc/rauc/system.conf"
-    install -D -m 0644 "${signing[2]}" "$rootfs/etc/rauc/keyring.pem"
-    install -D -m 0755 "$ROOT_DIR/image/rauc/health.sh" "$rootfs/usr/local/lib/edge-gateway/health.sh"
-    install -D -m 0644 "$ROOT_DIR/image/rauc/edge-gateway-health.service" \
-        "$rootfs/etc/systemd/system/edge-gateway-health.service"
-    ln -sfn ../edge-gateway-health.service \
-        "$rootfs/etc/systemd/system/multi-user.target.wants/edge-gateway-health.service"
-    install -d -m 0755 "$rootfs/var/lib/edge-gateway/update"  # RAUC's status, the health check's outcome (data)
-    # GRUB loads the slot's kernel and initrd by these names (Debian's symlinks in /, made here when missing).
-    kernel=$(cd "$rootfs" && find boot -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)
-    initrd=$(cd "$rootfs" && find boot -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -1)
-    [ -n "$kernel" ] && [ -n "$initrd" ] || die "no kernel/initrd in $rootfs/boot"
-    ln -sfn "$kernel" "$rootfs/vmlinuz"
-    ln -sfn "$initrd" "$rootfs/initrd.img"
+    bootloader='bootloader=grub\ngrubenv=/boot/firmware/EFI/edge-gateway/grubenv'
+else
+    bootloader='bootloader=uboot'
+    install -D -m 0644 "$ROOT_DIR/image/rauc/fw_env.config" "$rootfs/etc/fw_env.config"
 fi
+mapfile -t signing < <("$ROOT_DIR/image/rauc/keys.sh" "$OUT")
+sed -e "s/@COMPATIBLE@/edge-gateway-$ARCH/" -e "s/@DISKID@/$DISKID/" -e "s|^@BOOTLOADER@\$|$bootloader|" \
+    "$ROOT_DIR/image/rauc/system.conf.in" | install -D -m 0644 /dev/stdin "$rootfs/etc/rauc/system.conf"
+grep -q '^bootloader=' "$rootfs/etc/rauc/system.conf" || die "no bootloader= in the image's /etc/rauc/system.conf"
+install -D -m 0644 "${signing[2]}" "$rootfs/etc/rauc/keyring.pem"
+install -D -m 0755 "$ROOT_DIR/image/rauc/health.sh" "$rootfs/usr/local/lib/edge-gateway/health.sh"
+install -D -m 0644 "$ROOT_DIR/image/rauc/edge-gateway-health.service" \
+    "$rootfs/etc/systemd/system/edge-gateway-health.service"
+ln -sfn ../edge-gateway-health.service \
+    "$rootfs/etc/systemd/system/multi-user.target.wants/edge-gateway-health.service"
+install -d -m 0755 "$rootfs/var/lib/edge-gateway/update"  # RAUC's status, the health check's outcome (data)
+# GRUB and U-Boot load the slot's kernel and initrd by these names (Debian's symlinks in /, made here when missing).
+kernel=$(cd "$rootfs" && find boot -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)
+initrd=$(cd "$rootfs" && find boot -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -1)
+[ -n "$kernel" ] && [ -n "$initrd" ] || die "no kernel/initrd in $rootfs/boot"
+ln -sfn "$kernel" "$rootfs/vmlinuz"
+ln -sfn "$initrd" "$rootfs/initrd.img"
 
 # ---------------------------------------------------------------------------------------------- 5. partitions
 stage partitions
@@ -275,13 +280,17 @@ initrd=$(find "$rootfs/boot" -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -
 [ -n "$kernel" ] && [ -n "$initrd" ] || die "no kernel/initrd in $rootfs/boot"
 kver=${kernel##*/vmlinuz-}
 if [ "$ARCH" = arm64 ]; then
-    # As Debian's raspi images (raspi-firmware's z50-raspi-firmware hook): the firmware, the kernel and initrd by
-    # their versioned names, the Raspberry Pi device trees of the kernel, config.txt and cmdline.txt.
+    # The Raspberry Pi's: the firmware and the Pi device trees of the kernel (as Debian's raspi images have them),
+    # config.txt starting U-Boot (u-boot-rpi's rpi_arm64: Pi 3 B/B+, 4 B, 400, CM4), cmdline.txt (the firmware puts
+    # it into the device tree, where the boot script takes it from). Everyone's: the boot script, boot.scr
+    # (image/rauc/boot.cmd, mkimage), and its A/B state, boot-state.env (mkenvimage: slot A first with 3 boots, slot
+    # B empty until the first update, so 0), both found by U-Boot's distro boot on this partition (bootable).
     cp "$rootfs"/usr/lib/raspi-firmware/* "$parts/boot/"
-    cp "$kernel" "$initrd" "$parts/boot/"
     cp "$rootfs/usr/lib/linux-image-$kver"/broadcom/bcm*rpi*.dtb "$parts/boot/"
+    cp "$rootfs/usr/lib/u-boot/rpi_arm64/u-boot.bin" "$parts/boot/u-boot.bin"
     cat > "$parts/boot/config.txt" <<CONFIG
-# edge-gateway image (image/build.sh), as Debian's raspi-firmware writes it. Boards: Raspberry Pi 3 B/B+, 4 B, CM4.
+# edge-gateway image (image/build.sh). Boards: Raspberry Pi 3 B/B+, 4 B, 400, CM4. The firmware starts U-Boot, whose
+# boot script (boot.scr) picks the root slot A or B and boots the kernel of that slot.
 [pi4]
 # Enable the audio output, I2C and SPI interfaces on the GPIO header.
 dtparam=audio=on
@@ -294,13 +303,16 @@ arm_boost=1
 # Switch the CPU from ARMv7 into ARMv8 (aarch64) mode
 arm_64bit=1
 enable_uart=1
-# Debian's kernel with the upstream device trees (bcm2837-rpi-3-b.dtb, bcm2711-rpi-4-b.dtb, ...)
+# the upstream device trees (bcm2837-rpi-3-b.dtb, bcm2711-rpi-4-b.dtb, ...), which U-Boot hands to Debian's kernel
 upstream_kernel=1
-kernel=vmlinuz-$kver
-initramfs initrd.img-$kver followkernel
+kernel=u-boot.bin
 CONFIG
-    echo "console=tty0 console=ttyS1,115200 root=LABEL=eg-root ro rootwait fsck.repair=yes net.ifnames=0 cma=64M" \
-        > "$parts/boot/cmdline.txt"
+    echo "console=tty0 console=ttyS1,115200 fsck.repair=yes net.ifnames=0 cma=64M" > "$parts/boot/cmdline.txt"
+    mkimage -A arm64 -O linux -T script -C none -n "edge-gateway A/B boot" -d "$ROOT_DIR/image/rauc/boot.cmd" \
+        "$parts/boot/boot.scr" >/dev/null
+    printf 'BOOT_ORDER=A B\nBOOT_A_LEFT=3\nBOOT_B_LEFT=0\n' > "$parts/boot-state.txt"
+    mkenvimage -s 0x4000 -o "$parts/boot/boot-state.env" "$parts/boot-state.txt"
+    rm -f "$parts/boot-state.txt"
 else
     # The EFI system partition: GRUB as the removable-media boot path (EFI/BOOT/BOOTX64.EFI: no NVRAM entry to
     # make), with an embedded configuration that reads EFI/edge-gateway/grub.cfg (the A/B selection) and its state,
@@ -349,13 +361,12 @@ stage disk
 img="$OUT/edge-gateway-$ARCH.img"
 rm -f "$img" "$img.bmap"
 first=4   # MiB before the first partition (the firmware and the SD card's erase blocks like 4 MiB alignment)
-slots=1
-[ "$ARCH" = amd64 ] && slots=2  # the A/B root slots (arm64: one root)
+slots=2  # the A/B root slots
 data_at=$((first + IMAGE_BOOT_MB + slots * root_mb))
 total=$((data_at + IMAGE_DATA_MB))
 truncate -s "${total}M" "$img"
-# MBR (the Raspberry Pi 3 boots from MBR only; EFI boots from MBR too, partition type ef): 1 boot, bootable; then the
-# root slot(s) and the data partition, Linux.
+# MBR (the Raspberry Pi 3 boots from MBR only; EFI boots from MBR too, partition type ef): 1 boot, bootable (U-Boot's
+# distro boot looks for boot.scr on the bootable partitions); then the root slots and the data partition, Linux.
 boot_type=c
 [ "$ARCH" = amd64 ] && boot_type=ef
 {

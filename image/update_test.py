@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Update the amd64 gateway image in the field, under qemu, through its real boot loader (`make image-update-test`).
+"""Update the gateway image in the field, under qemu, through its real boot loader (`make image-update-test
+[ARCH=arm64]`).
 
-The image boots as a board does (OVMF, then GRUB from its EFI system partition choosing the root slot by RAUC's boot
-counting, image/rauc/grub.cfg); RAUC installs signed bundles from a "USB stick" (a second disk, labelled EG-STICK);
-edge-gateway-health.service commits a new slot or rolls it back. The probe (image/probe/probe.sh, in its served mode)
-takes commands over the broker itself (probe/command, through qemu's hostfwd on this host's 127.0.0.1 only) and
-reports on the serial console. A qemu run ends at a poweroff or a power cut (SIGKILL); when the guest reboots, qemu
-is started again on the same disk, ports and serial log, as a board's reset does (ansible's reboot waits for the
-same machine), and GRUB's state (grubenv) carries the A/B choice over them.
+The image boots as a board does, its boot loader choosing the root slot by RAUC's boot counting: amd64 OVMF, then
+GRUB from its EFI system partition (image/rauc/grub.cfg); arm64 U-Boot (qemu_arm64 from u-boot-qemu as the virt
+board's firmware), then the boot script on its boot partition (image/rauc/boot.cmd). RAUC installs signed bundles
+from a "USB stick" (a second disk, labelled EG-STICK); edge-gateway-health.service commits a new slot or rolls it
+back. The probe (image/probe/probe.sh, in its served mode) takes commands over the broker itself (probe/command,
+through qemu's hostfwd on this host's 127.0.0.1 only) and reports on the serial console. A qemu run ends at a
+poweroff or a power cut (SIGKILL); when the guest reboots, qemu is started again on the same disk, ports and serial
+log, as a board's reset does (ansible's reboot waits for the same machine), and the boot loader's state on the boot
+partition (grubenv, boot-state.env) carries the A/B choice over them. On arm64 (TCG, about 3 times slower) every
+time limit is 3 times longer (vm_test.py's ARM64_SCALE).
 
 0. The disk is 2 GiB larger than the image, as a card is: the first boot grows the data partition into it. Per-board
    settings: before the first boot a valid ``edge-gateway-settings.toml`` (a gateway id, a message expiry longer than
@@ -21,7 +25,7 @@ same machine), and GRUB's state (grubenv) carries the A/B choice over them.
    settings it had. Refused from the "USB stick", with nothing changed: a bundle signed by another key, one for
    another architecture, a truncated one. More messages.
 3. ansible/update.yml pushes v3, whose broker cannot start, to a rollout of two gateways one at a time: v3 is
-   installed and booted, the health check marks it bad and reboots, GRUB falls back to slot B, v2 reports
+   installed and booted, the health check marks it bad and reboots, the boot loader falls back to slot B, v2 reports
    ``rolled_back`` (v3 -> v2); the playbook fails that gateway and never touches the second one; nothing
    acknowledged is lost.
 4. A power cut (SIGKILL of qemu) in the middle of ``rauc install`` from the stick: the next boot is slot B, v2,
@@ -31,7 +35,7 @@ v2 and v3 are the image's own root with a changed /etc/edge-gateway-release (and
 edited with debugfs on a copy, and signed by image/rauc/bundle.sh with the image's key. Exit status 0 when every
 step held; each step's time is printed.
 
-Usage: update_test.py [--out build/appliance] [--keep-disk]
+Usage: update_test.py [--arch amd64|arm64] [--out build/appliance] [--keep-disk]
 """
 
 from __future__ import annotations
@@ -60,32 +64,34 @@ class Session:
     """The persistent session (clean_session=0) subscribed to update/#, and a publisher: what was acknowledged
     before and during the updates must all be delivered after them."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: int = 1) -> None:
+        #: time limits are multiplied by it (the slower emulation of arm64)
+        self.scale = scale
         self.acked: set[int] = set()
         self.delivered: Counter[int] = Counter()
         self.seq = 0
         self.lock = threading.Lock()
 
     def subscribe(self, port: int) -> None:
-        client = connect(port, "update-sub", clean=False, seconds=120)
+        client = connect(port, "update-sub", clean=False, seconds=120 * self.scale)
         done = threading.Event()
         client.on_subscribe = lambda *a: done.set()
         client.subscribe(f"{TOPIC}/#", qos=1)
-        if not done.wait(60):
+        if not done.wait(60 * self.scale):
             raise RuntimeError("no SUBACK for update/#")
         client.disconnect()
         client.loop_stop()
 
     def publish(self, port: int, n: int) -> None:
         """``n`` numbered QoS 1 messages, each waited for until acknowledged."""
-        client = connect(port, "update-pub", clean=True, seconds=120)
+        client = connect(port, "update-pub", clean=True, seconds=120 * self.scale)
         try:
             infos = []
             for _ in range(n):
                 self.seq += 1
                 infos.append((self.seq, client.publish(f"{TOPIC}/t", str(self.seq), qos=1)))
             for seq, info in infos:
-                info.wait_for_publish(60)
+                info.wait_for_publish(60 * self.scale)
                 if info.is_published():
                     self.acked.add(seq)
         finally:
@@ -99,8 +105,8 @@ class Session:
             with self.lock:
                 self.delivered[int(msg.payload)] += 1
 
-        client = connect(port, "update-sub", clean=False, seconds=120, on_message=on_message)
-        end = time.monotonic() + seconds
+        client = connect(port, "update-sub", clean=False, seconds=120 * self.scale, on_message=on_message)
+        end = time.monotonic() + seconds * self.scale
         while time.monotonic() < end:
             with self.lock:
                 if not self.acked - self.delivered.keys():
@@ -115,7 +121,7 @@ class Session:
 
 def command(vm: Vm, text: str) -> None:
     """One command to the probe (QoS 1 on probe/command through the forwarded port)."""
-    client = connect(vm.port, "update-test-cmd", clean=True, seconds=60)
+    client = connect(vm.port, "update-test-cmd", clean=True, seconds=60 * vm.arch.scale)
     try:
         client.publish("probe/command", text, qos=1).wait_for_publish(30)
     finally:
@@ -125,7 +131,9 @@ def command(vm: Vm, text: str) -> None:
 
 def ask(vm: Vm, text: str, answer: str, seconds: float) -> str:
     """Send ``text`` and wait for the probe line starting with ``answer``; ``slot`` is repeated until the probe's
-    subscription is there (it is idempotent), other commands are sent once after that."""
+    subscription is there (it is idempotent), other commands are sent once after that. ``seconds`` is multiplied by
+    the machine's time scale."""
+    seconds *= vm.arch.scale
     if text == "slot":
         end = time.monotonic() + seconds
         while True:
@@ -147,17 +155,17 @@ def debugfs(image: Path, *requests: str) -> None:
             raise RuntimeError(f"debugfs {request!r} on {image}: {proc.stderr.strip()}")
 
 
-def make_root(base: Path, dest: Path, version: str, broken: bool) -> None:
+def make_root(base: Path, dest: Path, version: str, broken: bool, arch: str) -> None:
     """A copy of the image's root with VERSION=``version`` (and without the broker program when ``broken``)."""
     subprocess.run(["cp", "--sparse=always", str(base), str(dest)], check=True)
     release = dest.with_suffix(".release")
-    release.write_text(f"VERSION={version}\nARCH=amd64\n")
+    release.write_text(f"VERSION={version}\nARCH={arch}\n")
     debugfs(dest, "rm /etc/edge-gateway-release", f"write {release} /etc/edge-gateway-release")
     if broken:
         debugfs(dest, "rm /opt/edge-gateway/bin/edge-gateway")
 
 
-def bundle(out: Path, root: Path, version: str, dest: Path, compatible: str = "edge-gateway-amd64",
+def bundle(out: Path, root: Path, version: str, dest: Path, compatible: str,
            env: dict[str, str] | None = None) -> None:
     subprocess.run([str(ROOT / "image" / "rauc" / "bundle.sh"), "--root", str(root), "--version", version,
                     "--compatible", compatible, "--out", str(dest)], check=True, env={**os.environ, **(env or {}),
@@ -165,17 +173,18 @@ def bundle(out: Path, root: Path, version: str, dest: Path, compatible: str = "e
                    stdout=subprocess.DEVNULL)
 
 
-def make_stick(out: Path, work: Path, v1: str) -> tuple[Path, dict[str, str]]:
-    """The bundles on a stick image; their versions by file name."""
+def make_stick(out: Path, work: Path, v1: str, arch: str) -> tuple[Path, dict[str, str]]:
+    """The bundles on a stick image; their versions by file name. ``other.raucb`` is for the other architecture."""
     stick_dir = work / "stick"
     shutil.rmtree(stick_dir, ignore_errors=True)
     stick_dir.mkdir(parents=True)
-    base = out / "edge-gateway-amd64-root.ext4"
+    base = out / f"edge-gateway-{arch}-root.ext4"
+    compatible = f"edge-gateway-{arch}"
     versions = {"v2.raucb": f"{v1}+v2", "v3.raucb": f"{v1}+v3-broken"}
     for name, broken in (("v2.raucb", False), ("v3.raucb", True)):
         root = work / f"{name}.ext4"
-        make_root(base, root, versions[name], broken)
-        bundle(out, root, versions[name], stick_dir / name)
+        make_root(base, root, versions[name], broken, arch)
+        bundle(out, root, versions[name], stick_dir / name, compatible)
         root.unlink()
     # The refusals need no real root: a small file system, signed with another key or for another architecture.
     small = work / "small.ext4"
@@ -187,13 +196,14 @@ def make_stick(out: Path, work: Path, v1: str) -> tuple[Path, dict[str, str]]:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
                     "-nodes", "-days", "30", "-subj", "/O=not the fleet's key", "-keyout", str(other / "key.pem"),
                     "-out", str(other / "cert.pem")], check=True, capture_output=True)
-    bundle(out, small, "9.9.9", stick_dir / "other-key.raucb",
+    bundle(out, small, "9.9.9", stick_dir / "other-key.raucb", compatible,
            env={"IMAGE_SIGNING_CERT": str(other / "cert.pem"), "IMAGE_SIGNING_KEY": str(other / "key.pem")})
-    bundle(out, small, "9.9.9", stick_dir / "arm64.raucb", compatible="edge-gateway-arm64")
+    other_arch = "amd64" if arch == "arm64" else "arm64"
+    bundle(out, small, "9.9.9", stick_dir / "other.raucb", f"edge-gateway-{other_arch}")
     full = (stick_dir / "v2.raucb").read_bytes()
     (stick_dir / "truncated.raucb").write_bytes(full[: len(full) // 2])
     for name in ("v2.raucb", "v3.raucb"):  # the playbook's copies, named as `make bundle` names them
-        shutil.copyfile(stick_dir / name, work / f"edge-gateway-{versions[name]}-amd64.raucb")
+        shutil.copyfile(stick_dir / name, work / f"edge-gateway-{versions[name]}-{arch}.raucb")
     stick = work / "stick.img"
     size = sum(f.stat().st_size for f in stick_dir.iterdir()) // (1 << 20) + 64
     subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "EG-STICK", "-d", str(stick_dir), str(stick), f"{size}M"],
@@ -241,32 +251,36 @@ def playbook(work: Path, ssh_port: int, key: Path, bundle: Path, more_hosts: tup
     log(f"ansible-playbook update.yml, bundle {bundle.name}, gateways {', '.join(hosts)}")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=5400)
     for line in proc.stdout.splitlines():
-        if line.startswith(("TASK", "PLAY", "fatal", "failed", "gw-", "  msg")) or "changed:" in line[:12]:
+        if line.startswith(("TASK", "PLAY", "fatal", "failed", "gw-")) or line.lstrip().startswith("msg:") \
+                or "changed:" in line[:12]:
             print(f"  ansible: {line}", flush=True)
     return proc
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default=os.environ.get("IMAGE_ARCH", "amd64"), help="amd64 or arm64")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("IMAGE_OUT", ROOT / "build" / "appliance")))
-    parser.add_argument("--boot-timeout", type=float, default=1800.0, help="hard limit of one qemu run, seconds "
-                        "(a served boot waits for the health check, an install writes 2 GiB under TCG)")
+    parser.add_argument("--boot-timeout", type=float, default=0.0, help="hard limit of one qemu run, seconds "
+                        "(default 1800, times 3 for arm64: a served boot waits for the health check, an install "
+                        "writes 2 GiB under TCG)")
     parser.add_argument("--keep-disk", action="store_true")
     args = parser.parse_args()
     out: Path = args.out
-    arch = arch_config("amd64", "", out)
-    for tool in ("qemu-system-x86_64", "rauc", "mksquashfs", "debugfs", "mkfs.ext4"):
+    arch = arch_config(args.arch, "", out)
+    args.boot_timeout = args.boot_timeout or 1800.0 * arch.scale
+    for tool in (arch.qemu[0], "rauc", "mksquashfs", "debugfs", "mkfs.ext4"):
         if shutil.which(tool) is None:
             raise SystemExit(f"image-update-test: {tool} is missing: make image-deps")
     if not Path(arch.disk).is_file():
-        raise SystemExit(f"image-update-test: {arch.disk} is missing: make image")
-    v1 = (out / "edge-gateway-amd64.version").read_text().strip()
+        raise SystemExit(f"image-update-test: {arch.disk} is missing: make image ARCH={args.arch}")
+    v1 = (out / f"edge-gateway-{args.arch}.version").read_text().strip()
     work = out / "update-test"
     work.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []
     times: list[tuple[str, float]] = []
     t0 = time.monotonic()
-    stick, versions = make_stick(out, work, v1)
+    stick, versions = make_stick(out, work, v1, args.arch)
     times.append(("bundles and stick", time.monotonic() - t0))
     disk = work / "disk.img"
     subprocess.run(["cp", "--sparse=always", arch.disk, str(disk)], check=True)
@@ -274,8 +288,10 @@ def main() -> int:
     image_bytes = disk.stat().st_size
     os.truncate(disk, image_bytes + GROW)
     Path(str(disk) + ".efivars").unlink(missing_ok=True)
-    session = Session()
+    session = Session(arch.scale)
     served = "edge_gateway.probe=1 edge_gateway.powercut=again"
+    if arch.scale != 1:  # the probe's own time limits, as vm_test.py passes them
+        served += f" edge_gateway.probe_scale={arch.scale}"
     key = work / "operator_ed25519"
     key.unlink(missing_ok=True)
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "operator@update-test", "-f", str(key)],
@@ -303,7 +319,8 @@ def main() -> int:
 
     def push(vm: Vm, name: str, *more_hosts: str) -> subprocess.CompletedProcess[str]:
         """ansible/update.yml with the bundle ``name`` to the VM (and ``more_hosts``, later in the rollout)."""
-        return playbook(work, vm.ssh_port, key, work / f"edge-gateway-{versions[name]}-amd64.raucb", more_hosts)
+        return playbook(work, vm.ssh_port, key, work / f"edge-gateway-{versions[name]}-{args.arch}.raucb",
+                        more_hosts)
 
     def expect(line: str, *parts: str) -> None:
         for part in parts:
@@ -353,7 +370,7 @@ def main() -> int:
             failures.append(f"after the update to v2: {len(lost)} acknowledged messages lost: {lost[:20]}")
         log(f"v2: {len(session.acked)} acknowledged before the update, all delivered: {not lost}")
         command(vm, "poweroff")
-        vm.wait_exit(300)
+        vm.wait_exit(300 * arch.scale)
         put_on_boot_partition(disk, "edge-gateway-settings.toml",
                               'gateway_id = "gw/broken"\n[gateway.broker]\nmax_sessions = "lots"\n')
         step("push v1 -> v2 (ansible/update.yml)", start)
@@ -365,7 +382,7 @@ def main() -> int:
         expect(ask(vm, "slot", "SLOT", 120), "booted=B", f"version={versions['v2.raucb']}")
         expect(ask(vm, "settings", "SETTINGS", 60), "gateway_id=gw-field-07",
                "boot=[edge-gateway-settings.errors.txt edge-gateway-settings.toml.rejected ]", "unit=exit-code")
-        for bad, why in (("other-key.raucb", "signature"), ("arm64.raucb", "ompatible"),
+        for bad, why in (("other-key.raucb", "signature"), ("other.raucb", "ompatible"),
                          ("truncated.raucb", "")):
             line = ask(vm, f"install {bad}", "REFUSED", 300)
             expect(line, bad, why)
@@ -373,7 +390,7 @@ def main() -> int:
         session.publish(vm.port, 50)
         step("v2: broken settings kept out, 3 bundles refused", start)
 
-        # 3. v3, whose broker cannot start: installed, rebooted into, marked bad; GRUB falls back to v2; the
+        # 3. v3, whose broker cannot start: installed, rebooted into, marked bad; the boot loader falls back to v2; the
         #    playbook fails that batch and the next gateway of the rollout is never touched
         start = time.monotonic()
         pushed = push(vm, "v3.raucb", "gw-next")

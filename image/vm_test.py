@@ -23,10 +23,14 @@ qemu loses is what the guest had not yet written to its virtual disk (its page c
 cut of a board whose storage honours flushes. It does not model storage that loses writes it acknowledged as
 flushed (README "Power cuts").
 
-amd64 boots the way a board does: OVMF (EFI firmware, Debian's ``ovmf``) runs GRUB from the image's EFI system
-partition, which picks the root slot (image/rauc/grub.cfg) and loads its kernel; the probe's parameters travel in
-qemu's fw_cfg entry ``opt/edge_gateway/probe`` (GRUB owns the kernel command line). arm64 boots the kernel and
-initrd of the image's boot partition with ``-kernel`` and the parameters on the command line.
+Both architectures boot the way a board does, through the image's own boot loader, which picks the root slot and
+loads that slot's kernel: amd64 OVMF (EFI firmware, Debian's ``ovmf``) running GRUB from the image's EFI system
+partition (image/rauc/grub.cfg); arm64 on ``virt`` U-Boot (Debian's ``u-boot-qemu``, qemu_arm64's u-boot.bin as
+``-bios``: the board's firmware) running the boot script on the image's boot partition (image/rauc/boot.cmd). The
+probe's parameters travel in qemu's fw_cfg entry ``opt/edge_gateway/probe`` (the boot loader owns the kernel command
+line). ``--machine raspi3b`` (arm64) starts the Raspberry Pi's U-Boot from the boot partition with ``-kernel`` (qemu
+has no Pi firmware; it hands U-Boot the Pi 3 device tree and the parameters in its /chosen/bootargs, as the Pi
+firmware does with cmdline.txt); there is no fw_cfg there.
 
 Each qemu run has a hard timeout (``timeout --signal=KILL``) beside this script's own deadlines; qemu is killed by
 its PID (``-pidfile``). For arm64 (``virt`` or ``raspi3b``) every time limit is multiplied by ``ARM64_SCALE`` (3;
@@ -65,6 +69,8 @@ TOPIC = "powercut"
 #: Debian's OVMF (package ovmf): the firmware code (read-only) and the template of its variable store
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+#: Debian's u-boot-qemu: U-Boot for qemu's arm64 virt board, the firmware the arm64 image boots through
+UBOOT_QEMU = Path("/usr/lib/u-boot/qemu_arm64/u-boot.bin")
 #: arm64 under TCG (an aarch64 guest translated on an x86 host) is slower than the amd64 guest: time limits x3
 #: (IMAGE_TEST_SCALE= overrides it)
 ARM64_SCALE = int(os.environ.get("IMAGE_TEST_SCALE", 3))
@@ -81,12 +87,13 @@ class Arch:
     qemu: list[str]
     console: str
     disk: str
+    #: raspi3b: the boot partition's U-Boot and Pi 3 device tree (extract_boot_files)
     kernel: str = ""
-    initrd: str = ""
     dtb: str = ""
-    root: str = "LABEL=eg-root"
     #: boots through EFI firmware (OVMF) and the image's own boot loader, not -kernel
     efi: bool = False
+    #: boots through this firmware (-bios: U-Boot) and the image's own boot script, not -kernel
+    bios: str = ""
     #: the Raspberry Pi machines: the disk is an SD card (size a power of 2), the console the second UART
     raspi: bool = False
     #: how much slower than amd64 on q35 this machine runs under TCG: every time limit of this script and of the
@@ -102,7 +109,7 @@ def arch_config(arch: str, machine: str, out: Path) -> Arch:
                     disk, efi=True)
     if arch == "arm64" and machine in ("", "virt"):
         return Arch(["qemu-system-aarch64", "-machine", "virt", "-cpu", "cortex-a53", "-smp", "2", "-m", "1024"],
-                    "ttyAMA0", disk, scale=ARM64_SCALE)
+                    "ttyAMA0", disk, bios=str(UBOOT_QEMU), scale=ARM64_SCALE)
     if arch == "arm64" and machine == "raspi3b":
         # 4 Cortex-A53 and 1 GiB are fixed by the machine; the Pi 3's console is the mini UART (ttyS1, qemu's second
         # serial port), the PL011 (ttyAMA0) belongs to Bluetooth in the upstream device tree.
@@ -112,31 +119,16 @@ def arch_config(arch: str, machine: str, out: Path) -> Arch:
 
 
 def extract_boot_files(arch: Arch, dest: Path) -> None:
-    """Copy the kernel and initrd out of the image's own boot partition (partition 1, FAT) with mtools: on arm64 the
-    files config.txt names (``kernel=``, ``initramfs``) and on raspi3b bcm2837-rpi-3-b.dtb, else vmlinuz and
-    initrd.img. Sets ``arch.kernel``, ``arch.initrd``, ``arch.dtb``."""
+    """Copy the Raspberry Pi's U-Boot (u-boot.bin) and the Pi 3 device tree (bcm2837-rpi-3-b.dtb) out of the image's
+    boot partition (partition 1, FAT) with mtools, for ``-kernel`` and ``-dtb``. Sets ``arch.kernel``, ``arch.dtb``."""
     table = json.loads(subprocess.run(["sfdisk", "--json", arch.disk], capture_output=True, text=True,
                                       check=True).stdout)["partitiontable"]
     sector = int(table.get("sectorsize", 512))
     image = f"{arch.disk}@@{int(table['partitions'][0]['start']) * sector}"
     dest.mkdir(parents=True, exist_ok=True)
-    names = ["vmlinuz", "initrd.img"]
-    if "aarch64" in arch.qemu[0]:
-        config = subprocess.run(["mtype", "-i", image, "::/config.txt"], capture_output=True, text=True,
-                                check=True).stdout
-        kernel = re.search(r"^kernel=(\S+)", config, re.MULTILINE)
-        initrd = re.search(r"^initramfs (\S+)", config, re.MULTILINE)
-        if not kernel or not initrd:
-            raise RuntimeError(f"config.txt of {arch.disk} names no kernel= or initramfs")
-        names = [kernel.group(1), initrd.group(1)]
-    targets = ["vmlinuz", "initrd.img"]
-    if arch.raspi:
-        names.append("bcm2837-rpi-3-b.dtb")
-        targets.append("bcm2837-rpi-3-b.dtb")
-        arch.dtb = str(dest / targets[2])
-    for name, target in zip(names, targets, strict=True):
-        subprocess.run(["mcopy", "-o", "-n", "-i", image, f"::/{name}", str(dest / target)], check=True)
-    arch.kernel, arch.initrd = str(dest / "vmlinuz"), str(dest / "initrd.img")
+    for name in ("u-boot.bin", "bcm2837-rpi-3-b.dtb"):
+        subprocess.run(["mcopy", "-o", "-n", "-i", image, f"::/{name}", str(dest / name)], check=True)
+    arch.kernel, arch.dtb = str(dest / "u-boot.bin"), str(dest / "bcm2837-rpi-3-b.dtb")
 
 
 def free_port() -> int:
@@ -164,6 +156,7 @@ class Vm:
     #: a reboot of the guest starts qemu again on the same disk, ports and serial log, as a board's reset does
     #: (a playbook's reboot waits for the same machine); else a reboot ends the run. qemu itself always runs with
     #: ``-no-reboot``: OVMF and GRUB after qemu's warm reset under TCG were seen to spin before loading a kernel.
+    #: U-Boot's ``reset`` (the arm64 boot script's, after a slot that did not boot) is such a reboot too.
     reboot: bool = False
     proc: subprocess.Popen[bytes] | None = None
     pid: int = 0
@@ -211,18 +204,19 @@ class Vm:
             ssh = f",hostfwd=tcp:127.0.0.1:{self.ssh_port}-:22" if self.ssh_port else ""
             net = ["-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:127.0.0.1:{self.port}-:1885{ssh}",
                    "-device", "virtio-net-pci,netdev=net0,romfile="]
+        if self.arch.efi or self.arch.bios:
+            boot = ["-bios", self.arch.bios] if self.arch.bios else []
+            if self.cmdline:  # (qemu refuses an empty fw_cfg string; no entry: the probe stays inert)
+                boot += ["-fw_cfg", f"name=opt/edge_gateway/probe,string={self.cmdline}"]
+        else:  # raspi3b: the Pi's U-Boot as the "kernel", the parameters in the device tree's /chosen/bootargs
+            boot = ["-kernel", self.arch.kernel, "-append", f"console={self.arch.console} {self.cmdline}"]
         if self.arch.efi:
             # the EFI variable store beside the disk (copied from OVMF's template once; the boot entries OVMF makes)
             nvram = self.disk.with_name(self.disk.name + ".efivars")
             if not nvram.exists():
                 shutil.copyfile(OVMF_VARS, nvram)
-            boot = ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
-                    "-drive", f"if=pflash,format=raw,unit=1,file={nvram}"]
-            if self.cmdline:  # (qemu refuses an empty fw_cfg string; no entry: the probe stays inert)
-                boot += ["-fw_cfg", f"name=opt/edge_gateway/probe,string={self.cmdline}"]
-        else:
-            boot = ["-kernel", self.arch.kernel, "-initrd", self.arch.initrd,
-                    "-append", f"root={self.arch.root} ro console={self.arch.console} panic=-1 {self.cmdline}"]
+            boot += ["-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+                     "-drive", f"if=pflash,format=raw,unit=1,file={nvram}"]
         # strace counts the fdatasync/fsync calls qemu makes on the disk file: the guest's flushes reaching it
         # (--seccomp-bpf: only those system calls stop qemu).
         left = max(int(self.limit - (time.monotonic() - self.started)), 1)
@@ -520,7 +514,9 @@ def main() -> int:
             raise SystemExit(f"image-test: {tool} is missing: make image-deps")
     if arch.efi and not OVMF_CODE.is_file():
         raise SystemExit(f"image-test: {OVMF_CODE} is missing: make image-deps (ovmf)")
-    if not arch.efi:
+    if arch.bios and not Path(arch.bios).is_file():
+        raise SystemExit(f"image-test: {arch.bios} is missing: make image-deps (u-boot-qemu)")
+    if arch.raspi:
         extract_boot_files(arch, args.out / f"boot-{args.arch}")
     if arch.raspi:
         # qemu's SD card must be a power of 2 in size: a sparse copy, grown to the next one (the partitions stay).
@@ -530,8 +526,10 @@ def main() -> int:
         arch.disk = str(sd)
     if arch.efi:
         log(f"{Path(arch.disk).name} boots through OVMF and its own GRUB")
+    elif arch.bios:
+        log(f"{Path(arch.disk).name} boots through U-Boot ({arch.bios}) and its own boot script")
     else:
-        log(f"kernel and initrd from the boot partition of {Path(arch.disk).name}: {arch.kernel}, {arch.initrd}")
+        log(f"{Path(arch.disk).name} boots through its Raspberry Pi U-Boot: {arch.kernel}, {arch.dtb}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 32)
     rng = random.Random(seed)
     tag = f"-{args.arch}" + (f"-{args.machine}" if args.machine else "")

@@ -10,9 +10,10 @@
 # "again" (each boot after a cut) runs only the first check before that.
 set -u
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
-# The probe's parameters (edge_gateway.*): the kernel command line, where the test boots the kernel itself (arm64),
-# and qemu's fw_cfg entry opt/edge_gateway/probe, where a boot loader owns the command line (amd64: GRUB). A board
-# has neither, so the probe stays inert there.
+# The probe's parameters (edge_gateway.*): qemu's fw_cfg entry opt/edge_gateway/probe, where the test boots through
+# the image's boot loader, which owns the command line (amd64: OVMF and GRUB; arm64 virt: U-Boot), and the kernel
+# command line (arm64 on qemu's raspi3b, which has no fw_cfg: qemu puts them into the device tree, where U-Boot's
+# boot script takes the command line from, as the Pi firmware does). A board has neither, so the probe stays inert.
 params() {
     cat /proc/cmdline
     modprobe -q qemu_fw_cfg 2>/dev/null

@@ -7,7 +7,8 @@
 # mark-good` (the boot counter starts again) and the slot's version is remembered as confirmed.
 # Not good within HEALTH_TIMEOUT seconds, or a service that gave up or restarted HEALTH_MAX_RESTARTS times without
 # coming up: on a slot whose version was never confirmed (the first boots after an
-# update) `rauc status mark-bad` and a reboot: GRUB then boots the other slot, the previous system. On a confirmed
+# update) `rauc status mark-bad` and a reboot: the boot loader (GRUB on amd64, U-Boot on arm64) then boots the other
+# slot, the previous system. On a confirmed
 # slot a failure is not the update's fault: it is logged, and the slot is marked good all the same (a failing
 # service must not send a gateway back to an older system).
 # Each outcome is logged, written to /var/lib/edge-gateway/update/last (KEY=value lines) and published retained on
@@ -31,15 +32,25 @@ version=${version:-unknown}
 install -d -m 0755 "$STATE"
 confirmed=$(cat "$STATE/confirmed-$slot" 2>/dev/null || true)
 
-# The slot the boot loader should have booted: the first of ORDER that is still good (grubenv, RAUC's grub backend).
-# Booting another one means GRUB fell back: that slot used up its tries without being marked good. (RAUC's own
-# "primary" is no help here: it names a slot on trial only once it is marked good.)
-GRUBENV=/boot/firmware/EFI/edge-gateway/grubenv
-grubenv=$(grub-editenv "$GRUBENV" list 2>/dev/null)
+# The slot the boot loader should have booted, from the state of RAUC's boot loader backend (bootloader= in
+# /etc/rauc/system.conf). Booting another one means the boot loader fell back: that slot used up its boots without
+# being marked good. (RAUC's own "primary" is no help here: it names a slot on trial only once it is marked good.)
+#   grub (amd64, grubenv): the first of ORDER that is still OK (mark-bad clears A_OK/B_OK, used-up tries leave it).
+#   uboot (arm64, fw_printenv): the first of BOOT_ORDER. Used-up boots and mark-bad both leave BOOT_x_LEFT=0, so
+#   only the order says which slot was meant: RAUC puts the slot it installed first, and a fallback leaves it there.
+# Both stay so after a rollback until the next install: the rollback is reported at the first healthy boot after it,
+# not at every boot (see "reported" below).
+bootloader=$(sed -n 's/^bootloader=//p' /etc/rauc/system.conf 2>/dev/null)
 preferred=""
-for s in $(echo "$grubenv" | sed -n 's/^ORDER=//p'); do
-    if [ "$(echo "$grubenv" | sed -n "s/^${s}_OK=//p")" = 1 ]; then preferred=$s; break; fi
-done
+case "$bootloader" in
+    grub)
+        grubenv=$(grub-editenv "$(sed -n 's/^grubenv=//p' /etc/rauc/system.conf)" list 2>/dev/null)
+        for s in $(echo "$grubenv" | sed -n 's/^ORDER=//p'); do
+            if [ "$(echo "$grubenv" | sed -n "s/^${s}_OK=//p")" = 1 ]; then preferred=$s; break; fi
+        done ;;
+    uboot)
+        for s in $(fw_printenv -n BOOT_ORDER 2>/dev/null); do preferred=$s; break; done ;;
+esac
 
 deadline=$(( $(uptime_s) + HEALTH_TIMEOUT ))
 why=""
@@ -83,6 +94,10 @@ done
 
 previous=$(sed -n 's/^VERSION=//p' "$STATE/last" 2>/dev/null)
 last_outcome=$(sed -n 's/^OUTCOME=//p' "$STATE/last" 2>/dev/null)
+last_slot=$(sed -n 's/^SLOT=//p' "$STATE/last" 2>/dev/null)
+# this slot and version already reported as the one the boot loader fell back to
+reported=""
+[ "$last_outcome" = rolled_back ] && [ "$last_slot" = "$slot" ] && [ "$previous" = "$version" ] && reported=yes
 report() {  # report OUTCOME DETAIL: the log, $STATE/last, and gateway/<id>/update on the local broker
     outcome=$1; detail=$2
     now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -130,8 +145,8 @@ if [ -z "$why" ]; then
     fi
     if [ "$last_outcome" = rolling_back ]; then
         report rolled_back "the update to $previous was not healthy: back on slot $slot"
-    elif [ -n "$preferred" ] && [ "$preferred" != "$slot" ]; then
-        report rolled_back "GRUB fell back to slot $slot: slot $preferred did not come up"
+    elif [ -n "$preferred" ] && [ "$preferred" != "$slot" ] && [ -z "$reported" ]; then
+        report rolled_back "the boot loader ($bootloader) fell back to slot $slot: slot $preferred did not come up"
     elif [ -n "$previous" ] && [ "$previous" != "$version" ]; then
         report updated "healthy: marked good"
     elif [ ! -e "$STATE/last" ]; then
