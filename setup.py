@@ -15,6 +15,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
@@ -53,19 +54,17 @@ class OptionalBuildExt(build_ext):
         record = Path(self.get_ext_fullpath(GROUP + "__mypyc")).with_name("_core__mypyc.sources")
         record.write_text("".join(f"{Path(path).name} {digest}\n" for path, digest in sorted(SOURCES.items())))
 
-    def build_extension(self, ext: object) -> None:
+    def build_extension(self, ext: Any) -> None:
         try:
-            super().build_extension(ext)  # type: ignore[arg-type]  # setuptools' Extension is untyped here
+            super().build_extension(ext)
         except Exception as exc:
-            _say(f"compiling {getattr(ext, 'name', ext)} failed ({type(exc).__name__}: {exc})")
+            _say(f"compiling {ext.name} failed ({type(exc).__name__}: {exc})")
             raise
 
     def _remove_outputs(self) -> None:
         for ext in self.extensions:
-            for path in (Path(self.get_ext_fullpath(ext.name)),
-                         HERE / Path(self.get_ext_filename(ext.name))):  # fmt: skip
-                if path.exists():
-                    path.unlink()
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)  # in place for `pip install -e`
+        Path(self.get_ext_fullpath(GROUP + "__mypyc")).with_name("_core__mypyc.sources").unlink(missing_ok=True)
         self.extensions = []
 
 
@@ -73,7 +72,7 @@ class OptionalBuildExt(build_ext):
 SOURCES: dict[str, str] = {}
 
 
-def _extensions() -> list[object]:
+def _extensions() -> list[Any]:
     if os.environ.get("EDGE_GATEWAY_BUILD_PURE") == "1":
         _say("EDGE_GATEWAY_BUILD_PURE=1: installing the pure-Python code")
         return []
@@ -96,6 +95,6 @@ def _extensions() -> list[object]:
 # Only the commands that build code need the C sources (pip's metadata hooks run this file too).
 _BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 setup(
-    ext_modules=_extensions() if _BUILDS & set(sys.argv[1:]) else [],  # type: ignore[arg-type]
+    ext_modules=_extensions() if _BUILDS & set(sys.argv[1:]) else [],
     cmdclass={"build_ext": OptionalBuildExt},
 )
