@@ -82,7 +82,7 @@ lint: venv
 # gateway/native.py), so both stay correct: about 40 s more on 2 workers.
 TEST_WORKERS ?= 2
 PURE_TESTS := tests/test_codec_roundtrip.py tests/test_codec_vectors.py tests/test_codec_malformed.py tests/test_topics.py \
-	tests/test_core.py tests/test_fuzz.py tests/test_native.py
+	tests/test_core.py tests/test_fuzz.py
 test: venv deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --core compiled
