@@ -3,7 +3,7 @@
 setup.py compiles gateway/mqtt next to its .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
 ``packets.py``, plus the shared library ``_core__mypyc``) and records the SHA-256 of each source it compiled in
 ``_core__mypyc.sources``. Python's import system prefers an extension module to a .py file of the same name, so the
-compiled code runs by default. :func:`select` (run once, when the ``gateway`` package is imported) makes the .py
+compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt`` package is imported) makes the .py
 files run instead when
 
 - ``EDGE_GATEWAY_PURE=1`` is set (the pure-Python codec from the same install, e.g. to compare or to test it),
@@ -108,11 +108,18 @@ def _why_not_compiled() -> str | None:
     return None
 
 
+_CHOOSING = Core(False, "being chosen")
+
+
 def select() -> Core:
-    """Choose the codec before any module of gateway/mqtt is imported (idempotent); returns :data:`CORE`."""
+    """Choose the codec before any module of gateway/mqtt is imported (idempotent); returns :data:`CORE`.
+
+    gateway/mqtt/__init__.py calls it; so do the places that report the choice. Loading the shared library to
+    check it imports the ``gateway.mqtt`` package, whose call here then returns at once."""
     global CORE
     if CORE is not None:
         return CORE
+    CORE = _CHOOSING
     loaded = [m for m in COMPILED_MODULES if m in sys.modules]
     if loaded:  # too late to choose: say what is there
         file = getattr(sys.modules[loaded[0]], "__file__", "") or ""

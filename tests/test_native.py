@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Prints how the codec runs and the file each codec module was loaded from.
 PROBE = """
 import importlib, gateway.native as n
-print(n.CORE.describe())
+print(n.select().describe())
 for m in n.COMPILED_MODULES:
     print(importlib.import_module(m).__file__)
 """
