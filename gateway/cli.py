@@ -10,7 +10,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from gateway import __version__
+from gateway import __version__, native
 from gateway.auth import passwd_cli
 from gateway.board_settings import cli as settings_cli
 from gateway.server.config import DEFAULT_BIND, ConfigError, GatewayConfig, read_config
@@ -101,6 +101,14 @@ def _read_config(path: str | None) -> GatewayConfig | None:
         for line in exc.errors:
             print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
         return None
+
+
+def _cmd_version(_args: argparse.Namespace) -> int:
+    """The version, then how the MQTT codec runs: ``core: compiled (mypyc)`` or ``core: pure Python (<why>)``
+    (gateway/native.py; ``EDGE_GATEWAY_PURE=1`` asks for the pure-Python one)."""
+    print(f"edge-gateway {__version__}")
+    print(f"core: {native.select().describe()}")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -353,8 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     passwd_cli.add_parser(sub)
     settings_cli.add_parser(sub)
     _add_update_parser(sub)
-    version = sub.add_parser("version", help="print the version")
-    version.set_defaults(func=lambda _a: print(f"edge-gateway {__version__}") or 0)
+    version = sub.add_parser("version", help="print the version and whether the MQTT codec runs compiled")
+    version.set_defaults(func=_cmd_version)
     return parser
 
 

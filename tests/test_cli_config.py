@@ -21,7 +21,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers import BrokerProcess, RawClient
 
-from gateway import __version__
+from gateway import __version__, native
 from gateway.mqtt.packets import Disconnect
 
 EDGE_GATEWAY = Path(sys.executable).parent / "edge-gateway"
@@ -332,9 +332,12 @@ def test_sigint_also_exits_0(make_broker: Callable[..., BrokerProcess], uid: str
 
 
 def test_python_m_gateway_version(tmp_path: Path) -> None:
-    """cli.py: `python -m gateway version` (and `--version`) print the version and exit 0."""
-    for args in (["version"], ["--version"]):
+    """cli.py: `python -m gateway version` (and `--version`) print the version and exit 0; `version` also says how
+    the MQTT codec runs (gateway/native.py), as this process runs it."""
+    core = native.select().describe()
+    for args, expected in ((["version"], f"edge-gateway {__version__}\ncore: {core}\n"),
+                           (["--version"], f"edge-gateway {__version__}\n")):  # fmt: skip
         result = run(args, tmp_path)
         assert result.returncode == 0
-        assert result.stdout == f"edge-gateway {__version__}\n"
+        assert result.stdout == expected
         assert result.stderr == ""

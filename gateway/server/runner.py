@@ -138,6 +138,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         upstream = UpstreamBridge(config.upstreams, broker, io.perform)
         upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
     servers: list[asyncio.AbstractServer] = []
+    server: asyncio.AbstractServer
     tls_listeners: dict[str, TlsListener] = {}
     try:
         for listener in config.listeners:
@@ -160,8 +161,10 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                         if listener.protocol == "websockets":
                             def wss(accepted_at: float, lc=listener) -> WebSocketProtocol:  # type: ignore[no-untyped-def]
                                 return WebSocketProtocol(io, lc.limits, lc.name, lc.path, accepted_at)
-                        tls = TlsListener(io, build_server_context(listener.tls), listener.name, listener.limits,
-                                          wss)
+                        # Not abstract in use: it serves from start(); the runner calls neither start_serving
+                        # nor serve_forever, which it leaves abstract (asyncio.AbstractServer's raise as well)
+                        tls = TlsListener(io, build_server_context(listener.tls), listener.name,  # type: ignore[abstract]
+                                          listener.limits, wss)
                         tls_listeners[listener.name] = tls
                         sockets: Any = await tls.start(host, port)
                         server = tls
