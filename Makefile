@@ -21,7 +21,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard gateway/mqtt/*.py)
 	@$(MAKE) --no-print-directory compiler
 	$(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
-	@$(BIN)/edge-gateway version | sed -n 's/^core: /the MQTT codec runs /p'
+	@$(BIN)/edge-gateway version --verbose | sed -n 's/^core: /the MQTT codec runs /p'
 	$(BIN)/pip install -q --no-deps 'bokeh-sampledata==2026.1'
 	$(BIN)/pip install -q --no-deps 'pysparkplug==0.6.1'
 	touch $@

@@ -9,7 +9,7 @@ package index, and ``target.json`` in it saying how:
   they are: they run on every architecture;
 - edge-gateway itself is a binary wheel when the controller compiled its MQTT codec (mypyc, setup.py): a target of
   the controller's architecture and Python gets it as it is; any other gets the same wheel without the compiled
-  modules, whose .py files are the same code (gateway/native.py runs them; ``edge-gateway version`` says
+  modules, whose .py files are the same code (gateway/native.py runs them; ``edge-gateway version --verbose`` says
   ``core: pure Python``): it is never looked up on PyPI, where the name is not ours;
 - a binary wheel (lmdb, uvloop, crcmod-plus) is copied when the target has the controller's architecture and Python
   (the same-architecture path: nothing is downloaded), otherwise the same version is fetched for the target with

@@ -8,6 +8,7 @@ Reason Code 0x8B (Server shutting down) before it closes the Network Connection.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -332,12 +333,24 @@ def test_sigint_also_exits_0(make_broker: Callable[..., BrokerProcess], uid: str
 
 
 def test_python_m_gateway_version(tmp_path: Path) -> None:
-    """cli.py: `python -m gateway version` (and `--version`) print the version and exit 0; `version` also says how
-    the MQTT codec runs (gateway/native.py), as this process runs it."""
-    core = native.select().describe()
-    for args, expected in ((["version"], f"edge-gateway {__version__}\ncore: {core}\n"),
-                           (["--version"], f"edge-gateway {__version__}\n")):  # fmt: skip
+    """cli.py: `python -m gateway version` (and `--version`) print the version and exit 0."""
+    for args in (["version"], ["--version"]):
         result = run(args, tmp_path)
         assert result.returncode == 0
-        assert result.stdout == expected
+        assert result.stdout == f"edge-gateway {__version__}\n"
         assert result.stderr == ""
+
+
+def test_version_verbose_says_how_the_mqtt_codec_runs(tmp_path: Path) -> None:
+    """`edge-gateway version --verbose` (and `-v`): the version line as `version` prints it, then how the MQTT codec
+    runs (gateway/native.py): in this environment as in this process (`make test` runs with --core compiled), and
+    with ``EDGE_GATEWAY_PURE=1`` the .py files whatever the install holds."""
+    cases = ((dict(os.environ), native.select().describe()),
+             (os.environ | {native.PURE_ENV: "1"}, "pure Python (EDGE_GATEWAY_PURE=1)"))  # fmt: skip
+    for env, core in cases:
+        for flag in ("--verbose", "-v"):
+            result = subprocess.run([str(EDGE_GATEWAY), "version", flag], cwd=tmp_path, env=env, capture_output=True,
+                                    text=True, timeout=30)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == f"edge-gateway {__version__}\ncore: {core}\n"
+            assert result.stderr == ""
