@@ -12,15 +12,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The install compiles gateway/mqtt with mypyc (setup.py; docs/compiled.md): a C compiler and Python's headers are
-# installed first when missing and apt-get can (root); without them the install is the pure-Python code. Any edit of
-# a compiled module's .py file reinstalls (until then gateway/native.py runs the edited .py files, not stale C).
+# The install compiles gateway/mqtt with mypyc (setup.py; EDGE_GATEWAY_COMPILE=1 puts mypy into the build
+# environment: docs/compiled.md): a C compiler and Python's headers are installed first when missing and apt-get can
+# (root); without them the install is the pure-Python code. Any edit of a compiled module's .py file reinstalls
+# (until then gateway/native.py runs the edited .py files, not stale C).
 # bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
 # pysparkplug: the Sparkplug B host application of the tests (an implementation other than the bridge's); its
 # metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(wildcard gateway/mqtt/*.py)
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py build_backend/edge_gateway_build.py $(wildcard gateway/mqtt/*.py)
 	@$(MAKE) --no-print-directory compiler
-	$(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
+	EDGE_GATEWAY_COMPILE=1 $(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
 	@$(BIN)/edge-gateway version --verbose | sed -n 's/^core: /the MQTT codec runs /p'
 	$(BIN)/pip install -q --no-deps 'bokeh-sampledata==2026.1'
 	$(BIN)/pip install -q --no-deps 'pysparkplug==0.6.1'

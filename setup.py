@@ -5,8 +5,10 @@ next to their .py files (gateway/mqtt/packets.cpython-311-*.so) with one shared 
 (gateway/mqtt/_core__mypyc.*.so), in a wheel and in place for ``pip install -e`` alike; gateway/native.py decides
 at import time which of the two runs (``EDGE_GATEWAY_PURE=1``: the .py files). docs/compiled.md says more.
 
-Without a C compiler (or without mypy, or with ``EDGE_GATEWAY_BUILD_PURE=1``) the build prints why and installs
-the pure-Python package: nothing but speed depends on the compiled modules.
+mypyc comes with mypy, which the build environment holds when ``EDGE_GATEWAY_COMPILE=1`` asks for it
+(build_backend/edge_gateway_build.py) or, without build isolation, when the environment has it. Without mypy, without
+a C compiler, or with ``EDGE_GATEWAY_BUILD_PURE=1`` the build prints why (pip shows it with ``-v``) and installs the
+pure-Python package: nothing but speed depends on the compiled modules.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def _extensions() -> list[Any]:
     try:
         from mypyc.build import mypycify
     except ImportError as exc:
-        _say(f"mypyc is not available ({exc}); installing the pure-Python code")
+        _say(f"mypyc is not in this build environment ({exc}); installing the pure-Python code "
+             "(EDGE_GATEWAY_COMPILE=1 has pip fetch mypy for the build: docs/compiled.md)")
         return []
     SOURCES.update({path: hashlib.sha256((HERE / path).read_bytes()).hexdigest() for path in COMPILED})
     cwd = os.getcwd()

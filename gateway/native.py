@@ -11,8 +11,8 @@ files run instead when
 - a .py file differs from the source its module was compiled from (an edited checkout not yet rebuilt:
   ``make venv`` rebuilds), or the shared library does not load.
 
-:data:`CORE` says which one was chosen and why: ``edge-gateway version --verbose`` and the ``edge_gateway_build`` info metric
-show it. docs/compiled.md describes the build.
+:data:`CORE` says which one was chosen and why: ``edge-gateway version --verbose`` and the ``edge_gateway_build`` info
+metric show it. docs/compiled.md describes the build.
 """
 
 from __future__ import annotations

@@ -127,9 +127,15 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             io.perform(broker.store_change_failed(client_ids, time.time()))  # before that commit's barrier
 
         # The commit reports, as inputs of the core: it emits the acknowledgements held under the barriers.
+        def committed(barrier: int) -> None:
+            io.perform(broker.committed(barrier, time.time()))
+
+        def failed(barrier: int, full: bool) -> None:
+            io.perform(broker.failed(barrier, full, time.time()))
+
         lmdb_store.on_change_failed = change_failed
-        lmdb_store.on_committed = lambda barrier: io.perform(broker.committed(barrier, time.time()))
-        lmdb_store.on_failed = lambda barrier, full: io.perform(broker.failed(barrier, full, time.time()))
+        lmdb_store.on_committed = committed
+        lmdb_store.on_failed = failed
     upstream: UpstreamBridge | None = None
     if config.upstreams:
         # Imported only when configured: aiomqtt and paho cost ~2 MiB of RSS on a broker without uplinks.
