@@ -7,7 +7,7 @@ at import time which of the two runs (``EDGE_GATEWAY_PURE=1``: the .py files). d
 
 mypyc comes with mypy, which the build environment holds when ``EDGE_GATEWAY_COMPILE=1`` asks for it
 (build_backend/edge_gateway_build.py) or, without build isolation, when the environment has it. Without mypy, without
-a C compiler, or with ``EDGE_GATEWAY_BUILD_PURE=1`` the build prints why (pip shows it with ``-v``) and installs the
+a C compiler, or with ``EDGE_GATEWAY_BUILD_PURE=1`` the build warns why (pip shows it) and installs the
 pure-Python package: nothing but speed depends on the compiled modules.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ GROUP = "gateway.mqtt._core"
 
 
 def _say(message: str) -> None:
-    print(f"edge-gateway build: {message}", file=sys.stderr)
+    # A warning rather than a line on stderr: pip shows a build backend's warnings, and its output only with -v.
+    warnings.warn(f"edge-gateway build: {message}", stacklevel=2)
 
 
 class OptionalBuildExt(build_ext):
