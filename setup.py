@@ -81,7 +81,7 @@ def _extensions() -> list[Any]:
         _say("EDGE_GATEWAY_BUILD_PURE=1: installing the pure-Python code")
         return []
     try:
-        from mypyc.build import mypycify
+        from mypyc.build import include_dir, mypycify
     except ImportError as exc:
         _say(f"mypyc is not in this build environment ({exc}); installing the pure-Python code "
              "(EDGE_GATEWAY_COMPILE=1 has pip fetch mypy for the build: docs/compiled.md)")
@@ -90,11 +90,18 @@ def _extensions() -> list[Any]:
     cwd = os.getcwd()
     os.chdir(HERE)  # mypycify takes paths relative to the project and writes its C sources under build/
     try:
-        return list(mypycify(["--strict", *COMPILED], opt_level="3", group_name=GROUP, target_dir="build/mypyc"))
+        extensions = list(mypycify(["--strict", *COMPILED], opt_level="3", group_name=GROUP, target_dir="build/mypyc"))
     except SystemExit as exc:  # mypyc exits on a type error: the .py files are the source, so this is a bug
         raise SystemExit(f"edge-gateway build: mypyc refused gateway/mqtt ({exc.code}): see `make lint`") from None
     finally:
         os.chdir(cwd)
+    # The same source gives the same bytes (ansible/site.yml's wheels; an unchanged board reports changed=0): the
+    # debug information names the project's directory and mypyc's runtime in the build environment, which pip
+    # makes anew under a random name for every build, so both are written as fixed names.
+    prefix_maps = [f"-ffile-prefix-map={HERE}=.", f"-ffile-prefix-map={include_dir()}=mypyc/lib-rt"]
+    for ext in extensions:
+        ext.extra_compile_args = [*ext.extra_compile_args, *prefix_maps]
+    return extensions
 
 
 # Only the commands that build code need the C sources (pip's metadata hooks run this file too).
