@@ -4,11 +4,14 @@ edited .py file is never shadowed by a module compiled from its older text."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -77,3 +80,28 @@ def test_an_edited_source_runs_as_python_until_rebuilt(tmp_path: Path) -> None:
     core, *files = _probe({}, tmp_path, pythonpath=copy)
     assert core == "pure Python (topics.py changed since it was compiled: `make venv` rebuilds)"
     assert all(f.startswith(str(copy)) and f.endswith(".py") for f in files), files
+
+
+def _build_backend() -> ModuleType:
+    path = ROOT / "build_backend" / "edge_gateway_build.py"
+    spec = importlib.util.spec_from_file_location("edge_gateway_build", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_build_asks_for_mypy_only_when_compiling_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_backend/: mypy joins the build requirements with EDGE_GATEWAY_COMPILE=1 only (a build that cannot fetch
+    it installs the pure-Python codec), not with EDGE_GATEWAY_BUILD_PURE=1 as well, and it is the mypy of the [test]
+    extra, which `make lint` type-checks the codec with."""
+    backend = _build_backend()
+    for compile_, pure, expected in (("1", None, [backend.MYPY]), (None, None, []), ("1", "1", []), ("0", None, [])):
+        for name, value in ((backend.COMPILE_ENV, compile_), ("EDGE_GATEWAY_BUILD_PURE", pure)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert backend._compile_requires() == expected, (compile_, pure)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [r for r in extras["test"] if r.startswith("mypy")] == [backend.MYPY]
