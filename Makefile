@@ -115,10 +115,10 @@ bench: venv deps $(AMQTT_VENV)/.installed
 test-cluster: venv deps
 	FLEET_CLUSTER_TEST=1 $(BIN)/python -m pytest tests/test_pipeline_cluster.py -q
 
-# Provisioning across architectures (tests/test_cross_arch.py, issue 16; not part of `make test`: about 30 min per
-# board on the shared 2-core machine, README "Provisioning across architectures"): arm64 and armhf Debian roots (mmdebstrap --arch, cached under
-# build/cross/) run under qemu-user, registered with binfmt_misc for the test only, provisioned by ansible/site.yml
-# through the chroot connection; inside each: --version, check-config, a QoS 1 round trip. Needs root.
+# Provisioning across architectures (tests/test_cross_arch.py; not part of `make test`: about 30 min per board on the
+# shared 2-core machine, README "Provisioning across architectures"): arm64 and armhf Debian roots (mmdebstrap --arch,
+# cached under build/cross/) run under qemu-user, registered with binfmt_misc for the test only, provisioned by
+# ansible/site.yml through the chroot connection; inside each: --version, check-config, a QoS 1 round trip. Needs root.
 CROSS_APT_PACKAGES := mmdebstrap arch-test qemu-user-static
 
 test-cross: venv deps
@@ -129,13 +129,14 @@ test-cross: venv deps
 	fi
 	CROSS_ARCH_TEST=1 $(BIN)/python -m pytest tests/test_cross_arch.py -q
 
-# Soak test (bench/soak.py, issue 13; not part of `make test`): 30 min of normal QoS 1 pairs beside hostile clients
-# (long names, stuck subscribers, garbage, floods), the broker killed with kill -9 every 180 s; fails when an
-# acknowledged message is lost or RSS passes 512 MiB. `make soak SOAK_ARGS="--minutes 3 --kill-every 60"` is short.
+# Soak test (bench/soak.py, docs/reliability.md "Soak test"; not part of `make test`): 30 min of normal QoS 1 pairs
+# beside hostile clients (long names, stuck subscribers, garbage, floods), the broker killed with kill -9 every 180 s;
+# fails when an acknowledged message is lost or RSS passes 512 MiB. `make soak SOAK_ARGS="--minutes 3 --kill-every 60"`
+# is short.
 soak: venv deps
 	$(BIN)/python bench/soak.py $(SOAK_ARGS)
 
-# Fuzzing (issue 15; not part of `make test`, which runs a short hypothesis version: tests/test_fuzz.py): the broker's
+# Fuzzing (not part of `make test`, which runs a short hypothesis version: tests/test_fuzz.py): the broker's
 # packet handling in process under atheris (libFuzzer), FUZZ_RUNS inputs (1,000,000: about 170 a second per process
 # on the loaded 2-core development machine, docs/reliability.md "Fuzzing"); stops at the first input that breaks
 # an invariant and saves it under var/fuzz/.

@@ -1,7 +1,7 @@
 """Durable QoS 1 publish on a slow disk: group commit's rate and broker CPU per message when every
 fsync takes 5 ms longer.
 
-The issue asks for a file system throttled with ``dm-delay``. This machine's kernel has no device-mapper
+The direct way is a file system throttled with ``dm-delay``. This machine's kernel has no device-mapper
 (``dmsetup targets``: "/dev/mapper/control: open failed: No such device"; no ``device-mapper`` in /proc/misc and
 no modules to load), so the latency is added where the broker waits for it instead: a small LD_PRELOAD library
 (built here with ``cc``) makes ``fsync``, ``fdatasync``, ``msync(MS_SYNC)`` and writes to a descriptor opened with

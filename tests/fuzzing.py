@@ -13,7 +13,8 @@ After every step :func:`check` asserts the invariants; after the script, that th
 an exception (``AssertionError`` for a broken invariant, anything else escaped ``receive``/``tick``), which the
 engine reports with the input that caused it.
 
-Invariants (sources: MQTT 5.0 §4.9 flow control, seeds 000-004, DESIGN.md §4):
+Invariants (sources: MQTT 5.0 §4.9 flow control; docs/architecture.md, "Session semantics" and "The durability
+contract"):
 
 - nothing raises out of ``open``, ``receive``, ``resume``, ``tick``, ``connection_lost``;
 - everything the broker writes to a connected client decodes as packets of its protocol level, and a

@@ -1,8 +1,8 @@
 """The appliance: systemd units, Ansible provisioning and the bootable gateway image.
 
 - Units: ``systemd-analyze verify`` prints nothing for either unit (it exits 0 on unknown directives, so any output
-  fails), ``systemd-analyze security --offline=yes`` stays under an exposure threshold, and the directives the issue
-  asks for are there. Both run against a throwaway root holding the units where Ansible installs them, stub
+  fails), ``systemd-analyze security --offline=yes`` stays under an exposure threshold, and the supervision and
+  hardening directives are there. Both run against a throwaway root holding the units where Ansible installs them, stub
   executables at their ExecStart paths and the host's stock units (sysinit.target, ...), so nothing on the host is
   read or written. No systemd manager is started.
 - Ansible: ``--syntax-check`` for both inventories and ``ansible-lint --offline --profile production`` clean.
@@ -116,7 +116,7 @@ def unit_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.mark.parametrize("unit", UNITS)
 def test_systemd_analyze_verify_prints_nothing(unit_root: Path, unit: str) -> None:
-    """Issue 7: `systemd-analyze verify` on every unit, failing on any warning it prints (it exits 0 on unknown
+    """`systemd-analyze verify` on every unit, failing on any warning it prints (it exits 0 on unknown
     directives)."""
     proc = verify(unit_root, unit)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
@@ -196,7 +196,7 @@ def test_per_board_settings_units_verify_clean(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("unit", UNITS)
 def test_systemd_analyze_security_exposure_under_threshold(unit_root: Path, unit: str) -> None:
-    """Issue 7: `systemd-analyze security --offline=yes` with a threshold: each unit's overall exposure is at most
+    """`systemd-analyze security --offline=yes` with a threshold: each unit's overall exposure is at most
     2.0 and the --threshold run exits 0."""
     level, proc = exposure(unit_root, unit)
     assert level <= EXPOSURE_THRESHOLD, proc.stdout
@@ -214,7 +214,7 @@ def test_systemd_analyze_security_threshold_fails_an_unhardened_unit(tmp_path: P
 
 
 def test_units_have_the_supervision_and_hardening_directives() -> None:
-    """Issue 7: Type=notify, WatchdogSec=, Restart=on-failure with a start limit, StateDirectory=,
+    """Type=notify, WatchdogSec=, Restart=on-failure with a start limit, StateDirectory=,
     ConfigurationDirectory=, a dedicated user (the bridge in dialout), and the hardening directives."""
     gw = unit_values("edge-gateway.service")
     bridge = unit_values("firmware-bridge.service")
@@ -246,7 +246,7 @@ def test_units_have_the_supervision_and_hardening_directives() -> None:
 
 
 def test_bridge_starts_after_the_broker_and_survives_its_restarts() -> None:
-    """Issue 7: the bridge starts after the broker (After=, Wants=) and no dependency ties it to the broker's
+    """The bridge starts after the broker (After=, Wants=) and no dependency ties it to the broker's
     restarts (no Requires=, BindsTo=, PartOf=)."""
     bridge = unit_values("firmware-bridge.service")
     assert bridge["After"] == ["edge-gateway.service"] and bridge["Wants"] == ["edge-gateway.service"]
@@ -273,7 +273,7 @@ def _ansible_env(tmp: Path) -> dict[str, str]:
 @pytest.mark.parametrize(("inventory", "playbook"), [("fleet", "site.yml"), ("image", "site.yml"),
                                                      ("fleet", "board-settings.yml"), ("fleet", "update.yml")])
 def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str, playbook: str) -> None:
-    """Issue 7: `ansible-playbook --syntax-check` of site.yml with the fleet inventory (SSH) and the image
+    """`ansible-playbook --syntax-check` of site.yml with the fleet inventory (SSH) and the image
     inventory (chroot); board-settings.yml (per-board settings for boards that run the image) and update.yml (the
     rollout of an update bundle in batches) too."""
     proc = subprocess.run(
@@ -298,7 +298,7 @@ def test_ansible_playbook_syntax_check(tmp_path: Path, inventory: str, playbook:
 
 @pytest.mark.timeout(300)
 def test_ansible_lint_production_profile_clean(tmp_path: Path) -> None:
-    """Issue 7: `ansible-lint --offline --profile production` passes with no failure and no warning."""
+    """`ansible-lint --offline --profile production` passes with no failure and no warning."""
     proc = subprocess.run(
         [str(VENV_BIN / "ansible-lint"), "--offline", "--profile", "production", "--nocolor"],
         cwd=ROOT / "ansible",
@@ -314,7 +314,7 @@ def test_ansible_lint_production_profile_clean(tmp_path: Path) -> None:
 
 
 def test_inventories_list_the_gateways(tmp_path: Path) -> None:
-    """Issue 7: an inventory example for a small fleet (three boards with their own gateway ids and serial ports)
+    """An inventory example for a small fleet (three boards with their own gateway ids and serial ports)
     and the image inventory on the chroot connection."""
     proc = subprocess.run(
         [str(VENV_BIN / "ansible-inventory"), "-i", "inventory/fleet", "--graph", "gateways"],
@@ -388,14 +388,14 @@ def _fleet_pki(tmp: Path, hosts: list[str], vault_password: Path) -> Path:
 
 @pytest.mark.timeout(400)  # three ansible-playbook runs: 96 s alone here, past the default 120 s beside other jobs
 def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
-    """Issue 7: config templated from inventory variables (gateway id, upstream URL and credentials, serial ports).
+    """Config templated from inventory variables (gateway id, upstream URL and credentials, serial ports).
     For every board of the example fleet the rendered gateway.toml passes `edge-gateway check-config` (with its
     [[upstream]]), bridge.toml passes `firmware-bridge check-config`, and the udev rule names each USB adapter.
 
-    Issue 15: the external listener is TLS on 8883 with client certificates (the fleet CA), a password file and an
-    ACL file; the plaintext listener binds 127.0.0.1 only. The role's credential tasks write the certificate, the
-    key and the password file (both from ansible-vault files) and the ACL file where gateway.toml names them, owned
-    by the broker's user (here: the test's user), the key and the password file 0600, the others 0640."""
+    Secure defaults (README, "Security"): the external listener is TLS on 8883 with client certificates (the fleet CA),
+    a password file and an ACL file; the plaintext listener binds 127.0.0.1 only. The role's credential tasks write the
+    certificate, the key and the password file (both from ansible-vault files) and the ACL file where gateway.toml names
+    them, owned by the broker's user (here: the test's user), the key and the password file 0600, the others 0640."""
     env = _ansible_env(tmp_path)
     vault_password = tmp_path / "vault-pass"
     vault_password.write_text("fleet-vault-pw\n")
@@ -538,7 +538,7 @@ def test_fleet_inventory_renders_valid_configs(tmp_path: Path) -> None:
 
 
 def test_image_inventory_keeps_only_the_loopback_listener(tmp_path: Path) -> None:
-    """Issue 15: the generic image holds no board's key, so its gateway.toml has no external listener, only the
+    """The generic image holds no board's key, so its gateway.toml has no external listener, only the
     plaintext loopback listener 127.0.0.1:1884 that firmware-bridge and the image test's probe (image/probe/probe.sh)
     use; it passes check-config. The role's checks pass with no certificate (none is needed then)."""
     env = _ansible_env(tmp_path)
@@ -571,8 +571,8 @@ def test_image_inventory_keeps_only_the_loopback_listener(tmp_path: Path) -> Non
 
 
 def test_role_refuses_an_external_listener_without_its_key(tmp_path: Path) -> None:
-    """Issue 15: secure by default, no silent fallback: an external listener with no key (or no password file and
-    no certificate identity) stops the play with a message naming the variables to set."""
+    """Secure by default, no silent fallback (README, "Security"): an external listener with no key (or no password file
+    and no certificate identity) stops the play with a message naming the variables to set."""
     env = _ansible_env(tmp_path)
     defaults: dict[str, object] = {}
     for role in ("edge_gateway", "firmware_bridge"):
@@ -601,15 +601,15 @@ def test_role_refuses_an_external_listener_without_its_key(tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_gateway_image_boots_supervises_the_services_and_survives_power_cuts() -> None:
-    """Issue 7: `make image-test` builds the Debian bookworm image (mmdebstrap from the host's apt mirror, the
+    """`make image-test` builds the Debian bookworm image (mmdebstrap from the host's apt mirror, the
     playbook through the chroot connection twice with changed=0 the second time) and boots it under
     qemu-system-x86_64 -accel tcg; the in-image probe reports that edge-gateway is active after READY, a pub/sub round
     trip works, firmware-bridge is active and publishes the simulator's readings from a pty, a broker hung with
     kill -STOP is killed by the watchdog and restarted, and the bridge survives that restart.
 
-    Issue 16, power cuts: then 3 times, a publisher on this host sends numbered QoS 1 messages through qemu's
-    hostfwd (127.0.0.1 only) for an offline persistent session (clean_session=0), qemu is SIGKILLed mid-stream (the
-    disk file with cache=writeback: the guest's flushes reach it as fdatasync, counted with strace), the VM boots
+    Power cuts (README, "Power cuts"): then 3 times, a publisher on this host sends numbered QoS 1 messages through
+    qemu's hostfwd (127.0.0.1 only) for an offline persistent session (clean_session=0), qemu is SIGKILLed mid-stream
+    (the disk file with cache=writeback: the guest's flushes reach it as fdatasync, counted with strace), the VM boots
     again from the same disk, the store opens (clean or quarantined), the broker is active, and every acknowledged
     message reaches the subscriber."""
     if os.geteuid() != 0:

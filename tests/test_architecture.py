@@ -1,4 +1,4 @@
-"""The architecture holds (DESIGN.md §2, docs/architecture.md): ``lint-imports`` checks pyproject's
+"""The architecture holds (docs/architecture.md): ``lint-imports`` checks pyproject's
 ``[tool.importlinter]`` contracts: the layers mqtt <- broker <- store / upstream / auth / update <- server <- cli, no
 ``asyncio``, ``socket``, ``lmdb``, ``time``, ``selectors`` or ``ssl`` import under gateway/mqtt/ and gateway/broker/
 (the core is sans-I/O and is given the time), and no import cycle among the modules of any package in gateway/."""

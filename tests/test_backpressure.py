@@ -1,7 +1,7 @@
 """A subscriber that stops reading cannot grow the broker without bound: once its socket write buffer holds
-``high_watermark`` bytes, QoS 0 messages to it are dropped and counted, and QoS 1/2 messages wait in its Message
-Queue, which is bounded by ``max_mqueue_len`` and ``max_mqueue_bytes`` and drops the oldest QoS 0 first
-(seeds 000-002)."""
+``high_watermark`` bytes, QoS 0 messages to it are dropped and counted, and QoS 1/2 messages wait in its Message Queue,
+which is bounded by ``max_mqueue_len`` and ``max_mqueue_bytes`` and drops the oldest QoS 0 first (docs/architecture.md,
+"Session semantics")."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_slow_qos0_subscriber_past_high_watermark_gets_qos0_dropped(make_broker)
 
 
 def test_per_client_byte_quota_drops_oldest_of_an_offline_queue(make_broker) -> None:  # type: ignore[no-untyped-def]
-    """DESIGN.md §4: "per-client quotas keep one slow client from filling it": ``max_mqueue_bytes`` bounds the
+    """Per-client quotas keep one slow client from filling the store: ``max_mqueue_bytes`` bounds the
     payload bytes one session's queue holds; over it the oldest message goes, as with ``max_mqueue_len``."""
     broker: BrokerProcess = make_broker("""
 [broker]

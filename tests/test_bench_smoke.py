@@ -1,4 +1,5 @@
-"""Smoke test of the benchmark load generator (bench/loadgen.py, issue "Benchmarks side by side with Mosquitto").
+"""Smoke test of the benchmark load generator (bench/loadgen.py; docs/benchmarks.md, "The load generator
+(bench/loadgen.py) and its ceiling").
 
 Its self-check runs publishers and subscribers against the built-in do-nothing sink on 127.0.0.1 for well under a
 second per check; these tests assert that it counted and verified every message exactly (sequence numbers, no loss,

@@ -70,11 +70,11 @@ def _first_occurrences(seqs: list[int]) -> list[int]:
 def test_broker_sigterm_and_sigkill_restarts_lose_no_qos1_reading(
     broker_on_fixed_port: BrokerProcess, tmp_path: Path
 ) -> None:
-    """Issue 5 "broker restart loses no QoS 1 reading": readings sent before, during and after a clean stop
-    (SIGTERM) and a crash (SIGKILL, mid-stream) of the broker all reach a persistent subscriber: every seq
-    0..N-1 arrives, and in order (duplicates of a reading whose PUBACK was lost are allowed, docs/message-format.md:
-    consumers deduplicate on (gateway_id, device, boot, seq)). DESIGN.md §4: what the broker acknowledged
-    survives kill -9."""
+    """A broker restart loses no QoS 1 reading: readings sent before, during and after a clean stop (SIGTERM) and a
+    crash (SIGKILL, mid-stream) of the broker all reach a persistent subscriber: every seq 0..N-1 arrives, and in order
+    (duplicates of a reading whose PUBACK was lost are allowed, docs/message-format.md: consumers deduplicate on
+    (gateway_id, device, boot, seq)). What the broker acknowledged survives kill -9 (docs/architecture.md,
+    "The durability contract")."""
     broker = broker_on_fixed_port
     port = broker.fixed_port  # type: ignore[attr-defined]
     board = SensorBoard("buoy-k", link=tmp_path / "tty-k", series=load_b01_series())
@@ -136,7 +136,7 @@ def test_broker_sigterm_and_sigkill_restarts_lose_no_qos1_reading(
 def test_buffer_is_bounded_and_drops_qos0_first_then_replays_in_order(
     broker_on_fixed_port: BrokerProcess, tmp_path: Path
 ) -> None:
-    """Issue 5: while the broker is down readings wait in a bounded buffer (20 here); when it is full the oldest
+    """While the broker is down readings wait in a bounded buffer (20 here); when it is full the oldest
     QoS 0 reading goes first, only then the oldest QoS 1; after the restart the rest is published in order."""
     broker = broker_on_fixed_port
     port = broker.fixed_port  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """firmware-bridge end to end: simulated boards on real pseudo-terminals -> the bridge (a real subprocess) -> the
-real broker -> real MQTT subscribers; commands back the other way ("Done when").
+real broker -> real MQTT subscribers; commands back the other way.
 
 One bridge serves the module, one board per test (each on its own pty, opened through a symlink as
 ``/dev/serial/by-id`` would be), so tests do not share sequence state.
@@ -135,7 +135,7 @@ def _envelope(
 
 
 def test_frames_become_reading_envelopes_through_the_real_broker(rig: Rig) -> None:
-    """Issue 5 "Done when": frames on a real pty -> MQTT messages received by a real subscriber through the real
+    """Frames on a real pty -> MQTT messages received by a real subscriber through the real
     broker, each the docs/message-format.md envelope (the first five NERACOOS B01 rows), QoS 1, Payload Format
     Indicator 1 and Content Type application/json."""
     board = rig.boards["main"]
@@ -181,7 +181,7 @@ def _framed(body: bytes) -> bytes:
 
 
 def test_faults_publish_nothing_wrong_and_the_bridge_keeps_running(rig: Rig) -> None:
-    """Issue 5: garbage, binary noise, a bad CRC, an over-long line, bad JSON and bad fields are each dropped and
+    """Garbage, binary noise, a bad CRC, an over-long line, bad JSON and bad fields are each dropped and
     counted by reason (PROTOCOL.md "What happens to bad input"); only the valid frames are published, the frame
     lost to the bad CRC is reported as a gap, a duplicate is dropped, and the bridge keeps running."""
     board = rig.boards["faults"]
@@ -231,7 +231,7 @@ def test_faults_publish_nothing_wrong_and_the_bridge_keeps_running(rig: Rig) -> 
 
 
 def test_unplug_and_replug_recover_without_a_restart(rig: Rig) -> None:
-    """Issue 5: unplug (the pty closes and its by-id style symlink disappears) is logged once, the bridge retries
+    """Unplug (the pty closes and its by-id style symlink disappears) is logged once, the bridge retries
     with backoff, and resumes on the new pty when the device returns, without a restart and without a gap."""
     board = rig.boards["plug"]
     path = rig.path("plug")
@@ -283,7 +283,7 @@ def test_reboot_with_seq_reset_is_reported_as_a_reboot_not_a_gap(rig: Rig) -> No
 
 
 def test_nmea_sentences_from_a_real_receiver_log_are_published_as_fixes(rig: Rig) -> None:
-    """Issue 5: NMEA 0183 from a real receiver's log (gpsd's garmin17n.log, Garmin 17N) over a pty: GGA and RMC
+    """NMEA 0183 from a real receiver's log (gpsd's garmin17n.log, Garmin 17N) over a pty: GGA and RMC
     become fix readings with the values gpsd decodes from the same log; the bridge numbers them (boot = its start
     time, seq from 0); the other sentences are counted as ignored."""
     board = rig.boards["gps"]
@@ -346,7 +346,7 @@ def _command(
 
 
 def test_command_reaches_the_board_and_its_reply_comes_back(rig: Rig) -> None:
-    """Issue 5 downlink: a command on cmd/<gw>/<device>/<command> is written to the board's port as the documented
+    """Downlink: a command on cmd/<gw>/<device>/<command> is written to the board's port as the documented
     line (PROTOCOL.md "Commands and replies"); the board's reply is published to the command's MQTT 5 Response
     Topic with its Correlation Data, or to cmd/<gw>/<device>/reply (also for an MQTT 3.1.1 mosquitto_pub)."""
     board = rig.boards["cmd"]
@@ -438,7 +438,7 @@ def test_command_without_a_reply_times_out(rig: Rig) -> None:
 def test_sd_notify_ready_only_once_connected_and_sigterm_exits_cleanly(
     make_broker: Callable[[str], BrokerProcess], tmp_path: Path
 ) -> None:
-    """Issue 5: sd_notify READY=1 once the broker connection is up (not before: the bridge starts while the
+    """sd_notify READY=1 once the broker connection is up (not before: the bridge starts while the
     broker is down), WATCHDOG=1 every half WATCHDOG_USEC while running (the unit's WatchdogSec=),
     STOPPING=1 and exit code 0 on SIGTERM."""
     sockdir = tempfile.mkdtemp(prefix="fwb-", dir="/tmp")
@@ -581,7 +581,7 @@ def test_simulate_command_plays_the_b01_series_on_a_pty(tmp_path: Path) -> None:
 
 
 def test_sigterm_while_the_broker_is_down_exits_cleanly(tmp_path: Path) -> None:
-    """Issue 5 "clean exit on SIGTERM", also when the broker cannot be reached: the port closes, the bridge says
+    """A clean exit on SIGTERM, also when the broker cannot be reached: the port closes, the bridge says
     how many buffered readings it could not deliver, and exits 0."""
     board = SensorBoard("buoy-d", link=tmp_path / "tty-d")
     board.plug()

@@ -211,8 +211,8 @@ def test_paho_and_mosquitto_clients_with_user_name_and_password(broker: BrokerPr
 
 
 def test_repeated_failures_from_one_address_are_slowed(broker: BrokerProcess) -> None:
-    """Issue 15: after 3 failed CONNECTs from 127.0.0.1 the next CONNECT (even with the right password) is held
-    about a second before it is answered (FailureThrottle: 1 s, doubling); other connected clients are not."""
+    """After 3 failed CONNECTs from 127.0.0.1 the next CONNECT (even with the right password) is held about a second
+    before it is answered (FailureThrottle: 1 s, doubling; README, "Security"); other connected clients are not."""
     pair = _bystanders(broker, "throttle")
     for _ in range(4):
         raw, ack = _client(broker, 4, "alice", "t", password=b"wrong")

@@ -712,7 +712,8 @@ def test_receive_maximum_announced_and_exceeded_disconnect_0x93(tight: BrokerPro
 
 
 def test_receive_maximum_default_is_max_awaiting_rel(broker: BrokerProcess, raw: Any, uid: str) -> None:
-    """The default broker announces Receive Maximum 100 (EMQX's max_awaiting_rel default, DESIGN.md §3)."""
+    """The default broker announces Receive Maximum 100 (EMQX's max_awaiting_rel default;
+    docs/reliability.md, "Limits")."""
     client = raw(broker.port, V5)
     ack = client.connect(uid)
     assert ack.properties[P.RECEIVE_MAXIMUM] == 100

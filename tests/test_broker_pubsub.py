@@ -1,8 +1,8 @@
 """Publish/subscribe behaviour of the real broker process over real sockets.
 
 Covers SUBSCRIBE/UNSUBSCRIBE and topic matching, MQTT 5.0 subscription options, shared subscriptions, PUBLISH at
-QoS 0/1/2 in both directions (paho-mqtt 3.1.1 and 5.0, aiomqtt, mosquitto_pub/mosquitto_sub and the raw client),
-the QoS 2 flows of seed 003, retained messages, message properties and expiry, and ``$SYS``.
+QoS 0/1/2 in both directions (paho-mqtt 3.1.1 and 5.0, aiomqtt, mosquitto_pub/mosquitto_sub and the raw client), the
+QoS 2 flows (docs/architecture.md, "Session semantics"), retained messages, message properties and expiry, and ``$SYS``.
 
 Statement ids are those of the OASIS texts (see docs/conformance.md); the same id can mean different things in
 3.1.1 and 5.0, so test names carry ``v311``/``v5`` where it matters.
@@ -736,7 +736,7 @@ def test_mqtt_3_8_3_4_no_local_on_shared_subscription_is_protocol_error(raw: Ope
 def test_paho_publish_and_receive_qos_0_1_2(paho: Callable[..., PahoClient], uid: str,
                                             protocol: mqtt.MQTTProtocolVersion) -> None:
     """paho-mqtt (3.1.1 and 5.0) publishes at QoS 0, 1 and 2 (each flow completes) and receives each at the
-    published QoS through a QoS 2 subscription (MQTT 5.0 §4.3, seed 003)."""
+    published QoS through a QoS 2 subscription (MQTT 5.0 §4.3)."""
     sub = paho(f"{uid}-s", protocol)
     pub = paho(f"{uid}-p", protocol)
     assert sub.subscribe(f"{uid}/#", 2) == [2]
@@ -752,7 +752,7 @@ def test_paho_publish_and_receive_qos_0_1_2(paho: Callable[..., PahoClient], uid
 async def test_aiomqtt_publish_and_receive_qos_0_1_2(broker: BrokerProcess, uid: str,
                                                      protocol: aiomqtt.ProtocolVersion) -> None:
     """aiomqtt (3.1.1 and 5.0) publishes at QoS 0, 1 and 2 and receives each at the published QoS through a
-    QoS 2 subscription (MQTT 5.0 §4.3, seed 003)."""
+    QoS 2 subscription (MQTT 5.0 §4.3)."""
     async with (
         aiomqtt.Client("127.0.0.1", broker.port, identifier=f"{uid}-s", protocol=protocol) as sub,
         aiomqtt.Client("127.0.0.1", broker.port, identifier=f"{uid}-p", protocol=protocol) as pub,
@@ -808,7 +808,7 @@ class MosquittoSub:
 @pytest.mark.parametrize("version", ["mqttv311", "mqttv5"])
 def test_mosquitto_pub_and_sub_qos_0_1_2(broker: BrokerProcess, uid: str, version: str) -> None:
     """mosquitto_pub publishes at QoS 0, 1 and 2 and mosquitto_sub (QoS 2 subscription) receives each at the
-    published QoS, RETAIN 0 (MQTT 5.0 §4.3, seed 003), for 3.1.1 and 5.0."""
+    published QoS, RETAIN 0 (MQTT 5.0 §4.3), for 3.1.1 and 5.0."""
     port = str(broker.port)
     sub = MosquittoSub(["-h", "127.0.0.1", "-p", port, "-V", version, "-q", "2", "-t", f"{uid}/#", "-C", "3",
                         "-W", "10", "-F", "MSG %t|%q|%r|%p"])
@@ -827,7 +827,7 @@ def test_mosquitto_pub_and_sub_qos_0_1_2(broker: BrokerProcess, uid: str, versio
 @pytest.mark.parametrize(("pub_qos", "sub_qos"), [(p, s) for p in (0, 1, 2) for s in (0, 1, 2)])
 def test_mqtt_3_8_4_8_v5_delivered_qos_is_min_of_publish_and_subscription(raw: Open, uid: str, pub_qos: int,
                                                                         sub_qos: int) -> None:
-    """[MQTT-3.8.4-8] (5.0), seed 003: delivered QoS = min(publish QoS, subscription QoS)."""
+    """[MQTT-3.8.4-8] (5.0): delivered QoS = min(publish QoS, subscription QoS)."""
     sub = raw(f"{uid}-s")
     assert sub.subscribe(Subscription(f"{uid}/t", sub_qos)) == [sub_qos]
     pub = raw(f"{uid}-p")
@@ -840,7 +840,7 @@ def test_mqtt_3_8_4_8_v5_delivered_qos_is_min_of_publish_and_subscription(raw: O
 @pytest.mark.parametrize(("pub_qos", "sub_qos"), [(p, s) for p in (0, 1, 2) for s in (0, 1, 2)])
 def test_mqtt_3_8_4_6_v311_delivered_qos_is_min_of_publish_and_subscription(raw: Open, uid: str, pub_qos: int,
                                                                           sub_qos: int) -> None:
-    """[MQTT-3.8.4-6] (3.1.1), seed 003: delivered QoS = min(publish QoS, subscription QoS)."""
+    """[MQTT-3.8.4-6] (3.1.1): delivered QoS = min(publish QoS, subscription QoS)."""
     sub = raw(f"{uid}-s", V311)
     assert sub.subscribe(Subscription(f"{uid}/t", sub_qos)) == [sub_qos]
     pub = raw(f"{uid}-p", V311)
@@ -858,8 +858,8 @@ def _qos2_receiver_flow(raw: Open, uid: str, version: int) -> None:
     pub = raw(f"{uid}-p", version)
     pub.send(Publish(topic, b"once", 2, False, False, 10))
     assert pub.expect(PubRec, timeout=2) == PubRec(10)  # PUBREC at once
-    # A re-sent PUBLISH (DUP=1) with the pending identifier: PUBREC again, and a duplicate that is discarded, not
-    # a new message (seed 003). Its payload differs only so that the test can tell which copy was kept.
+    # A re-sent PUBLISH (DUP=1) with the pending identifier: PUBREC again, and a duplicate that is discarded, not a new
+    # message. Its payload differs only so that the test can tell which copy was kept.
     pub.send(Publish(topic, b"re-sent", 2, False, True, 10))
     assert pub.expect(PubRec, timeout=2) == PubRec(10)
     # Nothing is delivered before PUBREL (the marker, QoS 0 from another client, overtakes nothing).
@@ -881,7 +881,7 @@ def _qos2_receiver_flow(raw: Open, uid: str, version: int) -> None:
 
 
 def test_mqtt_4_3_3_10_v5_qos2_receiver_dedups_and_delivers_on_pubrel(raw: Open, uid: str) -> None:
-    """[MQTT-4.3.3-8] [MQTT-4.3.3-10] [MQTT-4.3.3-11] [MQTT-4.3.3-12] (5.0), seed 003: as QoS 2 receiver the
+    """[MQTT-4.3.3-8] [MQTT-4.3.3-10] [MQTT-4.3.3-11] [MQTT-4.3.3-12] (5.0): as QoS 2 receiver the
     broker answers PUBREC at once, treats a DUP re-send of the pending identifier as a duplicate, delivers only
     on PUBREL, answers PUBCOMP, and then treats the identifier as new. The repeat is discarded: the first
     copy is the one delivered."""
@@ -889,7 +889,7 @@ def test_mqtt_4_3_3_10_v5_qos2_receiver_dedups_and_delivers_on_pubrel(raw: Open,
 
 
 def test_mqtt_4_3_3_2_v311_qos2_receiver_dedups_and_delivers_on_pubrel(raw: Open, uid: str) -> None:
-    """[MQTT-4.3.3-2] (3.1.1), seed 003: the QoS 2 receiver flow of the 5.0 test above, on 3.1.1."""
+    """[MQTT-4.3.3-2] (3.1.1): the QoS 2 receiver flow of the 5.0 test above, on 3.1.1."""
     _qos2_receiver_flow(raw, uid, V311)
 
 
@@ -961,8 +961,8 @@ def test_mqtt_3_1_subscribe_and_unsubscribe_resent_with_dup_are_answered(raw: Op
 
 @pytest.mark.parametrize(("version", "reason"), [(V311, 0), (V5, 0x92)], ids=["v311", "v5"])
 def test_pubrel_for_unknown_packet_id_still_gets_pubcomp(raw: Open, uid: str, version: int, reason: int) -> None:
-    """Seed 003 and MQTT 5.0 §3.7.2.1: a PUBREL for an identifier the broker does not hold still gets a PUBCOMP
-    (5.0 with 0x92 Packet Identifier not found); the connection stays usable."""
+    """MQTT 5.0 §3.7.2.1 and docs/architecture.md, "Session semantics": a PUBREL for an identifier the broker does not
+    hold still gets a PUBCOMP (5.0 with 0x92 Packet Identifier not found); the connection stays usable."""
     c = raw(f"{uid}-c", version)
     c.send(PubRel(777))
     assert c.expect(PubComp) == PubComp(777, reason)
@@ -1331,7 +1331,7 @@ def _sys_cycle(c: Peer) -> dict[str, str]:
 
 
 def test_sys_topics_published_with_sensible_values(raw: Open, uid: str) -> None:
-    """DESIGN.md §6 (Mosquitto's names): $SYS/broker/version, uptime, clients/connected, messages/received and
+    """Mosquitto's $SYS names: $SYS/broker/version, uptime, clients/connected, messages/received and
     messages/sent are published every sys_interval (1 s here) with sensible, growing values."""
     c = raw(f"{uid}-sys")
     assert c.subscribe(Subscription("$SYS/broker/#", 0)) == [0]

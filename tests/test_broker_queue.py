@@ -1,4 +1,6 @@
-"""Inflight Window, Message Queue, re-delivery and offline messages against the real broker process (seeds 000-004).
+"""Inflight Window, Message Queue, re-delivery and offline messages against the real broker process
+(docs/architecture.md, "Session semantics"). The ``seed_000`` ... ``seed_004`` prefixes of test names name the
+group of session semantics a test checks, as in tests/test_core.py.
 
 Every limit is per listener (zone), so one module-scoped broker carries one listener per configuration under test
 (``max_inflight = 2``, ``max_mqueue_len = 3``, ``retry_interval = "1s"``, ...) instead of a broker per test.
@@ -250,10 +252,9 @@ def wait_counter(open_client: Opener, port: int, name: str, uid: str, expected: 
 
 def test_seed_000_inflight_full_messages_queued_and_drained_fifo_on_ack(zones: BrokerProcess, open_client: Opener,
                                                                         uid: str) -> None:
-    """Seed 000/001: "When the number of concurrently existing packets in the network exceeds the limit, that is,
-    the length limit of Inflight Window is reached (see max_inflight), EMQ X Broker will no longer send subsequent
-    messages, but will store these packets in the Message Queue. Once a message is acknowledged in the Inflight
-    Window, the message in the Message Queue will be sent in first-in, first-out order"."""
+    """Once the Inflight Window holds ``max_inflight`` unacknowledged messages, the broker sends no more to that
+    client and keeps further messages in its Message Queue; each acknowledgement in the window lets the next queued
+    message go out, in first-in, first-out order."""
     port = zones.ports["win2"]
     sub, _ = session(open_client, port, f"{uid}-sub")
     subscribe(sub, (f"{uid}/t", 1))
@@ -284,8 +285,8 @@ def test_seed_000_inflight_full_messages_queued_and_drained_fifo_on_ack(zones: B
 @pytest.mark.parametrize("version", [4, 5])
 def test_seed_000_acknowledgements_in_one_write_refill_the_window_fifo(zones: BrokerProcess, open_client: Opener,
                                                                       uid: str, version: int) -> None:
-    """Seed 000: "Once a message is acknowledged in the Inflight Window, the message in the Message Queue will be
-    sent in first-in, first-out order". A persistent subscriber acknowledges its whole window of 10 in one write
+    """Each acknowledgement in the Inflight Window lets the next message of the Message Queue go out, in
+    first-in, first-out order. A persistent subscriber acknowledges its whole window of 10 in one write
     (as fast consumers do; the broker reads such runs of PUBACKs without a packet object each), with a PUBACK
     for an unknown Packet Identifier and, on 5.0, one carrying a Reason Code among them, and a PINGREQ behind:
     the next 10 follow in order, then the PINGRESP is answered. After a reconnect nothing is sent again
@@ -319,9 +320,8 @@ def test_seed_000_acknowledgements_in_one_write_refill_the_window_fifo(zones: Br
 
 def test_seed_001_qos0_to_online_client_bypasses_full_window_and_queue(zones: BrokerProcess, open_client: Opener,
                                                                        uid: str) -> None:
-    """Seed 001: "If the number of in-flight QoS 1, 2 messages reaches the maximum limit of the Inflight Window ...
-    the newly arrived messages will not be forwarded immediately, but will be temporarily stored in the Message
-    Queue ... QoS 0 messages are not affected by this, they are always forwarded immediately"."""
+    """While the Inflight Window is full, newly arrived QoS 1/2 messages wait in the Message Queue, but QoS 0
+    messages to an online client are not affected: they are always forwarded at once."""
     port = zones.ports["win2"]
     sub, _ = session(open_client, port, f"{uid}-sub")
     subscribe(sub, (f"{uid}/t", 1))
@@ -340,9 +340,9 @@ def test_seed_001_qos0_to_online_client_bypasses_full_window_and_queue(zones: Br
 
 def test_seed_000_window_keeps_fifo_order_across_qos_for_persistent_session(zones: BrokerProcess,
                                                                             open_client: Opener, uid: str) -> None:
-    """Seed 000: messages enter the Inflight Window "in first-in, first-out order"; DESIGN §4: delivered "in order
-    per publisher and topic". An online persistent session (whose QoS 2 sends wait for a store commit) receives
-    QoS 2 and QoS 1 messages on one topic in publish order."""
+    """Messages enter the Inflight Window in first-in, first-out order, and are delivered in order per publisher and
+    topic (docs/architecture.md, "The durability contract"). An online persistent session (whose QoS 2 sends wait for a
+    store commit) receives QoS 2 and QoS 1 messages on one topic in publish order."""
     port = zones.ports["plain"]
     sub, _ = persistent(open_client, port, f"{uid}-sub", 5, clean=True)
     subscribe(sub, (f"{uid}/t", 2))
@@ -365,10 +365,10 @@ def test_seed_000_window_keeps_fifo_order_across_qos_for_persistent_session(zone
 
 def test_seed_000_receive_maximum_sets_the_window_for_mqtt5_clients(zones: BrokerProcess, open_client: Opener,
                                                                     uid: str) -> None:
-    """Seed 000: "the clients using the MQTT v5.0 protocol will set the maximum length of the Inflight Window
-    according to the specification of the Receive Maximum, while clients with earlier versions of the MQTT protocol
-    will still set it according to the configuration" [MQTT-3.3.4-9]: with max_inflight = 10, a 5.0 client with
-    Receive Maximum 3 has at most 3 unacknowledged, one with 20 has 10, a 3.1.1 client has 10."""
+    """An MQTT 5.0 client's Receive Maximum sets the length of its Inflight Window (capped by ``max_inflight``),
+    while a client of an earlier protocol version gets ``max_inflight`` from the configuration [MQTT-3.3.4-9]: with
+    max_inflight = 10, a 5.0 client with Receive Maximum 3 has at most 3 unacknowledged, one with 20 has 10, a 3.1.1
+    client has 10."""
     port = zones.ports["rm10"]
     rm3, _ = session(open_client, port, f"{uid}-rm3", 5, props={P.RECEIVE_MAXIMUM: 3})
     rm20, _ = session(open_client, port, f"{uid}-rm20", 5, props={P.RECEIVE_MAXIMUM: 20})
@@ -385,7 +385,7 @@ def test_seed_000_receive_maximum_sets_the_window_for_mqtt5_clients(zones: Broke
 
 
 def test_seed_000_max_inflight_0_means_no_limit(zones: BrokerProcess, open_client: Opener, uid: str) -> None:
-    """Seed 000: "max_inflight ... Inflight Window length limit, 0 means no limit": 200 unacknowledged QoS 1
+    """``max_inflight`` is the Inflight Window's length limit, and 0 means no limit: 200 unacknowledged QoS 1
     messages all arrive, to a 3.1.1 client and to a 5.0 client without Receive Maximum."""
     port = zones.ports["nolimit"]
     v311, _ = session(open_client, port, f"{uid}-v311", 4)
@@ -407,10 +407,9 @@ def test_seed_000_max_inflight_0_means_no_limit(zones: BrokerProcess, open_clien
 @pytest.mark.parametrize("version", [4, 5])
 def test_seed_002_full_queue_drops_oldest_qos0_first_and_counts_drops(zones: BrokerProcess, open_client: Opener,
                                                                       uid: str, version: int) -> None:
-    """Seed 002: "if the length limit of Message Queue is also reached, subsequent packets will still be buffered
-    to the Message Queue, but the first buffered message in the corresponding message queue will be discarded. If
-    there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first"; DESIGN §3: "Every drop is
-    counted by reason" ($SYS/broker/messages/dropped/mqueue_full_qos0 and .../mqueue_full)."""
+    """When the Message Queue is also full, a new message is still queued and the first one queued is dropped, a
+    QoS 0 message first if the queue holds any; every drop is counted by reason
+    ($SYS/broker/messages/dropped/mqueue_full_qos0 and .../mqueue_full)."""
     port = zones.ports["q3"]
     before_q0 = sys_counter(open_client, port, "mqueue_full_qos0", uid)
     before_q1 = sys_counter(open_client, port, "mqueue_full", uid)
@@ -444,9 +443,9 @@ def test_seed_002_full_queue_drops_oldest_qos0_first_and_counts_drops(zones: Bro
 @pytest.mark.parametrize("store_qos0", [True, False])
 def test_seed_000_qos0_queued_offline_only_with_mqueue_store_qos0(zones: BrokerProcess, open_client: Opener,
                                                                   uid: str, store_qos0: bool) -> None:
-    """Seed 000: "When the client is offline, Message Queue is also used to store QoS 0 messages, which will be sent
-    for the next time when the client is online. This feature is enabled by default, but you can also disable it
-    manually. You can see mqueue_store_qos0" (listener "plain": default true; listener "noqos0": false)."""
+    """While a persistent session's client is offline, its Message Queue also keeps QoS 0 messages and sends them when
+    the client is back; ``mqueue_store_qos0`` turns this on (the default) or off (listener "plain": default true;
+    listener "noqos0": false)."""
     port = zones.ports["plain" if store_qos0 else "noqos0"]
     sub, _ = persistent(open_client, port, f"{uid}-sub", 4)
     subscribe(sub, (f"{uid}/t", 2))
@@ -459,7 +458,7 @@ def test_seed_000_qos0_queued_offline_only_with_mqueue_store_qos0(zones: BrokerP
     assert connack.session_present is True
     expected = sent if store_qos0 else [(b"b", 2), (b"d", 1)]
     got = barrier(sub, len(expected))
-    # FIFO (seed 000) on resume, QoS 0 entries included.
+    # FIFO on resume, QoS 0 entries included.
     assert [(p.payload, p.qos) for p in got] == expected  # type: ignore[union-attr]
     # Online, QoS 0 goes out at once whatever mqueue_store_qos0 says.
     pub.publish(f"{uid}/t", b"live", 0)
@@ -469,7 +468,7 @@ def test_seed_000_qos0_queued_offline_only_with_mqueue_store_qos0(zones: BrokerP
 def test_seed_003_queued_messages_delivered_at_min_of_publish_and_subscription_qos(broker: BrokerProcess,
                                                                                   open_client: Opener,
                                                                                   uid: str) -> None:
-    """Seed 003: "Actual Subscribe QoS = MIN(Publish QoS, Subscribe QoS)" - also for messages queued for an
+    """The delivered QoS is min(publish QoS, subscription QoS) - also for messages queued for an
     offline session (MQTT 5.0 §3.8.4 / 3.1.1 §3.8.4)."""
     port = broker.port
     sub, _ = persistent(open_client, port, f"{uid}-sub", 4)
@@ -498,7 +497,7 @@ def test_mqtt_4_4_0_1_unacked_publish_and_pubrel_resent_on_resume_with_original_
     """[MQTT-4.4.0-1] (3.1.1 and 5.0): "When a Client reconnects with CleanSession set to 0 / Clean Start set to 0
     and a session is present, both the Client and Server MUST resend any unacknowledged PUBLISH packets (where
     QoS > 0) and PUBREL packets using their original Packet Identifiers"; [MQTT-3.3.1-1]: DUP is 1 on a re-delivery
-    and 0 on the first attempt. Seed 003: unacknowledged messages are re-sent with DUP=1 on reconnect."""
+    and 0 on the first attempt: unacknowledged messages are re-sent with DUP=1 on reconnect."""
     port = zones.ports["plain"]
     sub, _ = persistent(open_client, port, f"{uid}-sub", version)
     subscribe(sub, (f"{uid}/#", 2))
@@ -541,10 +540,10 @@ def test_mqtt_4_4_0_1_unacked_publish_and_pubrel_resent_on_resume_with_original_
 
 def test_seed_003_retry_interval_resends_to_mqtt311_but_never_within_an_mqtt5_connection(
         zones: BrokerProcess, open_client: Opener, uid: str) -> None:
-    """Seed 003: "如果Sender在一段时间内没有收到PUBLISH包对应的PUBACK,它将该PUBLISH包的DUP标识设为1 ... 重新发送" (an
-    unacknowledged PUBLISH is re-sent with DUP=1 after a while) - for 3.1.1 with retry_interval = "1s", also the
-    PUBREL of QoS 2; [MQTT-4.4.0-1] (5.0): re-sending on reconnect "is the only circumstance where a Client or
-    Server is REQUIRED to resend messages", and DESIGN §3 never re-sends to a 5.0 client in the same connection."""
+    """A sender that gets no PUBACK for a PUBLISH within a while re-sends it with DUP=1 - for 3.1.1 with
+    retry_interval = "1s", also the PUBREL of QoS 2; [MQTT-4.4.0-1] (5.0): re-sending on reconnect "is the only
+    circumstance where a Client or Server is REQUIRED to resend messages", so the broker never re-sends to a 5.0
+    client in the same connection (docs/architecture.md, "Session semantics")."""
     port = zones.ports["retry"]
     v311, _ = session(open_client, port, f"{uid}-v311", 4)
     v5, _ = session(open_client, port, f"{uid}-v5", 5)
@@ -577,10 +576,11 @@ def test_seed_003_retry_interval_resends_to_mqtt311_but_never_within_an_mqtt5_co
 @pytest.mark.parametrize("version", [4, 5])
 def test_seed_003_inbound_qos2_dropped_after_await_rel_timeout(zones: BrokerProcess, open_client: Opener, uid: str,
                                                                version: int) -> None:
-    """DESIGN §3: "max_awaiting_rel (100) and await_rel_timeout (300 s) bound inbound QoS 2 state": with
-    await_rel_timeout = "1s" a QoS 2 message left without PUBREL is dropped and never delivered; a later PUBREL
-    still gets PUBCOMP (seed 003: "之后不管接收到多少个 PUBREL 数据包,因为没有 Packet Identifier P ,直接回复 PUBCOMP
-    数据包即可"), in 5.0 with Reason Code 0x92 Packet Identifier not found (MQTT 5.0 §3.7.2.1)."""
+    """``max_awaiting_rel`` (100) and ``await_rel_timeout`` (300 s) bound the inbound QoS 2 state
+    (docs/architecture.md, "Session semantics"): with await_rel_timeout = "1s" a QoS 2 message left without PUBREL
+    is dropped and never delivered; a later PUBREL still gets PUBCOMP (the receiver no longer holds that Packet
+    Identifier, so it answers PUBCOMP however many PUBRELs come), in 5.0 with Reason Code 0x92 Packet Identifier
+    not found (MQTT 5.0 §3.7.2.1)."""
     port = zones.ports["rel"]
     before = sys_counter(open_client, port, "await_rel_timeout", uid)
     sub, _ = session(open_client, port, f"{uid}-sub", 4)
@@ -602,7 +602,7 @@ def test_seed_003_inbound_qos2_dropped_after_await_rel_timeout(zones: BrokerProc
 
 
 def test_seed_003_max_awaiting_rel_bounds_inbound_qos2(zones: BrokerProcess, open_client: Opener, uid: str) -> None:
-    """DESIGN §3 "max_awaiting_rel ... bound[s] inbound QoS 2 state"; it is the Receive Maximum the broker announces
+    """``max_awaiting_rel`` bounds the inbound QoS 2 state; it is the Receive Maximum the broker announces
     in CONNACK (MQTT 5.0 §3.2.2.3.3), and a client exceeding it is disconnected with 0x93 Receive Maximum exceeded
     (MQTT 5.0 §3.3.4)."""
     port = zones.ports["rel"]
@@ -624,11 +624,9 @@ def test_seed_003_max_awaiting_rel_bounds_inbound_qos2(zones: BrokerProcess, ope
 def test_seed_004_persistent_session_keeps_subscriptions_and_queues_qos1_qos2(broker: BrokerProcess,
                                                                               open_client: Opener, uid: str,
                                                                               version: int) -> None:
-    """Seed 004: "当客户端使用 Clean Session=false / Clean Start=false 建立会话时,如果客户端断开连接,
-    服务端会保存发往该客户端的 QoS ≥ 1 的消息作为离线消息。当客户端重新连接并选择恢复会话时,
-    服务端会将这些离线消息统一下发" (messages for a disconnected
-    persistent session are kept and delivered on resume); 3.1.1 [MQTT-3.1.2-4] [MQTT-3.1.2-5] [MQTT-3.2.2-2],
-    5.0 [MQTT-3.1.2-23] [MQTT-3.2.2-3]: Session Present 1."""
+    """When a session made with Clean Session = 0 / Clean Start = 0 disconnects, the broker keeps the QoS >= 1 messages
+    for it as offline messages and delivers them when the client resumes the session; 3.1.1 [MQTT-3.1.2-4]
+    [MQTT-3.1.2-5] [MQTT-3.2.2-2], 5.0 [MQTT-3.1.2-23] [MQTT-3.2.2-3]: Session Present 1."""
     port = broker.port
     sub, connack = persistent(open_client, port, f"{uid}-sub", version, clean=True)
     assert connack.session_present is False
@@ -656,9 +654,8 @@ def test_seed_004_persistent_session_keeps_subscriptions_and_queues_qos1_qos2(br
 @pytest.mark.parametrize("version", [4, 5])
 def test_seed_004_clean_start_discards_session_and_offline_messages(broker: BrokerProcess, open_client: Opener,
                                                                     uid: str, version: int) -> None:
-    """Seed 004: "如果客户端使用 Clean Session=true / Clean Start=true 建立新会话 ...
-    则之前存储的离线消息会被清除" (a new clean session discards the stored offline messages);
-    3.1.1 [MQTT-3.1.2-6], 5.0 [MQTT-3.1.2-4] [MQTT-3.2.2-2]: Session Present 0 and the old subscriptions are gone."""
+    """A new session made with Clean Session = 1 / Clean Start = 1 discards the stored offline messages; 3.1.1
+    [MQTT-3.1.2-6], 5.0 [MQTT-3.1.2-4] [MQTT-3.2.2-2]: Session Present 0 and the old subscriptions are gone."""
     port = broker.port
     sub, _ = persistent(open_client, port, f"{uid}-sub", version, clean=True)
     subscribe(sub, (f"{uid}/t", 1))
@@ -676,8 +673,8 @@ def test_seed_004_clean_start_discards_session_and_offline_messages(broker: Brok
 def test_mqtt_4_1_0_2_session_expiry_interval_ends_offline_session(broker: BrokerProcess, open_client: Opener,
                                                                    uid: str) -> None:
     """[MQTT-4.1.0-2] (5.0): "The Server MUST discard the Session State when the Network Connection is closed and
-    the Session Expiry Interval has passed"; seed 004: "会话过期 | 所有关联的离线消息被清除" (session expiry clears its
-    offline messages). Session Expiry Interval 1 s: after 1.5 s Session Present is 0 and nothing is delivered."""
+    the Session Expiry Interval has passed", so session expiry also clears its offline messages. Session Expiry
+    Interval 1 s: after 1.5 s Session Present is 0 and nothing is delivered."""
     port = broker.port
     sub, _ = session(open_client, port, f"{uid}-sub", 5, clean=True, expiry=1)
     subscribe(sub, (f"{uid}/t", 1))
@@ -695,9 +692,9 @@ def test_mqtt_4_1_0_2_session_expiry_interval_ends_offline_session(broker: Broke
 def test_seed_004_message_expiry_interval_drops_queued_messages_unless_own_expiry(zones: BrokerProcess,
                                                                                   open_client: Opener,
                                                                                   uid: str) -> None:
-    """Seed 004: "若配置了 message_expiry_interval,超过该时长未投递的离线消息会被丢弃(0 表示不过期)" (queued offline
-    messages older than message_expiry_interval are dropped); DESIGN §3: "an MQTT 5 Message Expiry Interval on the
-    message wins"; [MQTT-3.3.2-5] (5.0) the expired copy is deleted, [MQTT-3.3.2-6] the forwarded interval is
+    """Queued offline messages not delivered within ``message_expiry_interval`` are dropped (0: they never
+    expire); an MQTT 5 Message Expiry Interval on the message wins (docs/architecture.md, "Session semantics");
+    [MQTT-3.3.2-5] (5.0) the expired copy is deleted, [MQTT-3.3.2-6] the forwarded interval is
     reduced by the time waited. Listener "msgexp" has message_expiry_interval = "1s", "plain" the default 5m."""
     short, plain = zones.ports["msgexp"], zones.ports["plain"]
     for port, name in ((short, "short"), (plain, "plain")):

@@ -1,9 +1,10 @@
 """The ``edge-gateway`` command line: help, ``check-config``, ``serve`` exit codes and signals, ``version``.
 
-DESIGN.md §6: "Config: one TOML file ...; `edge-gateway check-config FILE` validates without starting";
-"STOPPING=1 on SIGTERM, then drain and close the store". Exit codes (``serve --help``): 0 clean stop, 1 a listener
-could not bind, 78 the configuration is invalid. MQTT 5.0 §3.14.4: a Server shutting down may send DISCONNECT with
-Reason Code 0x8B (Server shutting down) before it closes the Network Connection.
+The configuration is one TOML file, and `edge-gateway check-config FILE` validates it without starting (README,
+"Configuration"); on SIGTERM the broker sends STOPPING=1, then drains and closes the store. Exit codes
+(``serve --help``): 0 clean stop, 1 a listener could not bind, 78 the configuration is invalid. MQTT 5.0 §3.14.4: a
+Server shutting down may send DISCONNECT with Reason Code 0x8B (Server shutting down) before it closes the Network
+Connection.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def run(args: list[str], cwd: Path, timeout: float = 30.0) -> subprocess.Complet
 
 
 def test_edge_gateway_help_explains_usage(tmp_path: Path) -> None:
-    """DESIGN.md §6: the `edge-gateway` console script explains its commands, a quick start and a try-it example."""
+    """The `edge-gateway` console script explains its commands, a quick start and a try-it example."""
     assert EDGE_GATEWAY.exists()
     result = subprocess.run([str(EDGE_GATEWAY), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0
@@ -106,7 +107,7 @@ def test_edge_gateway_help_explains_usage(tmp_path: Path) -> None:
 
 
 def test_serve_help_documents_config_signals_and_exit_codes(tmp_path: Path) -> None:
-    """DESIGN.md §3/§6: `serve --help` names the config file, the EMQX zone limits with their defaults, the
+    """`serve --help` names the config file, the EMQX zone limits with their defaults, the
     SIGTERM behaviour (DISCONNECT 0x8B) and the exit codes."""
     result = subprocess.run([str(EDGE_GATEWAY), "serve", "--help"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=30)
@@ -122,8 +123,9 @@ def test_serve_help_documents_config_signals_and_exit_codes(tmp_path: Path) -> N
 
 
 def test_check_config_good_file_exits_0_and_summarises_listeners(tmp_path: Path) -> None:
-    """DESIGN.md §6: `edge-gateway check-config FILE` validates without starting; durations accept "30s", "5m",
-    "2h", "7d" (§3); a listener named "internal" gets the internal zone's defaults (seed 000: 128 / 10000)."""
+    """`edge-gateway check-config FILE` validates without starting; durations accept "30s", "5m", "2h", "7d"; a
+    listener named "internal" gets the internal zone's defaults (EMQX's: ``max_inflight`` 128, ``max_mqueue_len``
+    10000)."""
     path = tmp_path / "good.toml"
     path.write_text(GOOD)
     result = run(["check-config", str(path)], tmp_path)
@@ -140,8 +142,8 @@ def test_check_config_good_file_exits_0_and_summarises_listeners(tmp_path: Path)
 
 
 def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -> None:
-    """DESIGN.md §6 / config.py: every mistake is reported, each naming the key, the value and what is allowed:
-    an unknown key, max_inflight = -1 and 70000 (seed 000: 0..65535), a bad duration, a bad bind."""
+    """config.py: every mistake is reported, each naming the key, the value and what is allowed: an unknown key,
+    max_inflight = -1 and 70000 (allowed: 0..65535, 0 = no limit), a bad duration, a bad bind."""
     path = tmp_path / "bad.toml"
     path.write_text(BAD)
     result = run(["check-config", str(path)], tmp_path)
@@ -290,7 +292,7 @@ def test_sigterm_exits_0_after_disconnect_0x8b_to_mqtt5_clients(make_broker: Cal
                                                                  paho_v5: Callable[..., tuple[mqtt.Client, list[int],
                                                                                               threading.Event]],
                                                                  uid: str) -> None:
-    """DESIGN.md §6 / `serve --help`: "SIGTERM/SIGINT stop accepting, send DISCONNECT 0x8B to MQTT 5 clients and exit
+    """`serve --help`: "SIGTERM/SIGINT stop accepting, send DISCONNECT 0x8B to MQTT 5 clients and exit
     0"; MQTT 5.0 §3.14.2.1: 0x8B Server shutting down. The DISCONNECT is the first and last packet the 5.0 client
     sees; a 3.1.1 client (which has no DISCONNECT from the Server) just sees the connection closed."""
     proc = make_broker('[listeners.external]\nbind = "127.0.0.1:0"\n')

@@ -524,7 +524,7 @@ def test_mqtt_3_3_4_10_other_packets_flow_when_receive_maximum_reached(broker: B
     assert client.recv() == Unsuback(3, [0])
     assert publish_qos1(client, f"{uid}/elsewhere", b"x", 4) == RC.NO_MATCHING_SUBSCRIBERS
     client.send(Publish(f"{uid}/elsewhere", b"y", 2, packet_id=5))
-    assert client.recv() == PubRec(5)  # routed only on PUBREL (seed 003), so no 0x10 here
+    assert client.recv() == PubRec(5)  # a QoS 2 message is routed only on PUBREL, so no 0x10 here
     client.send(PubRel(5))
     assert client.recv() == PubComp(5)
     assert barrier(client) == []  # still no second PUBLISH: the send quota is zero
@@ -725,7 +725,7 @@ def test_mqtt_4_3_3_13_qos2_flow_completed_after_expiry(broker: BrokerProcess, r
     message expiry"; MQTT-3.3.2-5: "If the Message Expiry Interval has passed and the Server has not managed to
     start onward delivery to a matching subscriber, then it MUST delete the copy of the message for that
     subscriber". A QoS 2 message with Message Expiry Interval 1 s whose PUBREL comes 1.3 s after the PUBLISH gets
-    PUBCOMP 0x00, and the broker (which delivers onward on PUBREL, seed 003) does not deliver it."""
+    PUBCOMP 0x00, and the broker (which delivers onward on PUBREL) does not deliver it."""
     topic = f"{uid}/t"
     sub = connected(raw, broker.port, f"{uid}-s")
     subscribe(sub, Subscription(topic, 2))

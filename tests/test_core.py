@@ -3,8 +3,10 @@
 Each test drives :class:`~gateway.broker.broker.Broker` the way the I/O layer does (``open``, ``receive``,
 ``tick``, ``connection_lost``) and decodes what the returned actions wrote (kept per connection by
 ``tests/recording_broker.py``) with the client side's :class:`~gateway.mqtt.framing.PacketReader`. Tests are
-named after the session semantics they check (``seed000``...: docs/architecture.md, "Session semantics") or the
-normative statement.
+named after the normative statement they check, or carry the prefix of the group of session semantics they check
+(docs/architecture.md, "Session semantics"): ``seed000`` to ``seed002`` the Inflight Window and the Message Queue
+(with its drop policy and ``mqueue_store_qos0``), ``seed003`` the QoS 1/2 flows and the delivered QoS,
+``seed004`` offline messages and their expiry.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def offline_subscriber(broker: Broker, limits: ZoneLimits, qos: int = 1) -> Clie
     return sub
 
 
-# --------------------------------------------------------------------------- Inflight Window (seeds 000-002)
+# --------------------------------------------------------------------------- Inflight Window
 
 
 def test_seed000_inflight_window_full_then_freed_fifo_from_the_message_queue() -> None:
@@ -167,7 +169,7 @@ def test_seed001_qos0_bypasses_a_full_inflight_window() -> None:
 def test_seed000_inflight_window_is_max_inflight_capped_by_receive_maximum(
     max_inflight: int, receive_maximum: int, window: int
 ) -> None:
-    """Seed 000: a 5.0 client's Receive Maximum caps ``max_inflight``, and ``max_inflight`` caps a larger one."""
+    """A 5.0 client's Receive Maximum caps ``max_inflight``, and ``max_inflight`` caps a larger one."""
     broker = make_broker()
     sub = Client(broker, 5, ZoneLimits(max_inflight=max_inflight))
     sub.connect("sub", properties={P.RECEIVE_MAXIMUM: receive_maximum})
@@ -205,7 +207,7 @@ def test_mqtt_4_4_0_1_unacknowledged_publish_resent_with_dup_on_reconnect() -> N
 def test_mqtt_3_3_4_9_resume_with_smaller_receive_maximum_resends_one_at_a_time_keeping_identifiers() -> None:
     """A 3.1.1 session with three QoS 2 messages in flight (the first PUBRECed) resumed by 5.0 with Receive
     Maximum 1: PUBREL for the first, then each PUBLISH with DUP=1 and its old Packet Identifier only after the one
-    before completes [MQTT-3.3.4-9]; a PUBACK-free slot then takes the queue's next message (seed 000)."""
+    before completes [MQTT-3.3.4-9]; a PUBACK-free slot then takes the queue's next message, FIFO."""
     broker = make_broker()
     limits = ZoneLimits(max_inflight=3)
     sub = Client(broker, 4, limits)
@@ -237,7 +239,7 @@ def test_mqtt_3_3_4_9_resume_with_smaller_receive_maximum_resends_one_at_a_time_
     assert (last.payload, last.dup, last.qos) == (b"d", False, 2)
 
 
-# --------------------------------------------------------------------------- Message Queue (seeds 000, 002)
+# --------------------------------------------------------------------------- Message Queue
 
 
 def test_seed002_full_message_queue_drops_qos0_first() -> None:
@@ -291,7 +293,7 @@ def test_max_mqueue_bytes_drops_the_oldest_qos0_first() -> None:
     assert [p.payload for p in again.publishes()] == [b"3333", b"4444"]
 
 
-# --------------------------------------------------------------------------- QoS flows (seed 003)
+# --------------------------------------------------------------------------- QoS flows
 
 
 def test_seed003_qos2_duplicate_publish_before_pubrel_delivered_once() -> None:
@@ -401,7 +403,7 @@ def test_seed003_subscriber_side_qos2_flow_publish_pubrec_pubrel_pubcomp() -> No
 @pytest.mark.parametrize("version", [4, 5])
 def test_seed003_qos2_flows_acknowledged_in_runs_of_one_read_each(version: int) -> None:
     """Runs of PUBRELs, PUBRECs and PUBCOMPs arriving in one read (the broker reads them without a packet object
-    each): every message delivered once, every flow completed in order, the window refilled FIFO (seed 000); an
+    each): every message delivered once, every flow completed in order, the window refilled FIFO from the queue; an
     unknown identifier inside a run still gets its PUBCOMP / PUBREL (5.0: 0x92), and bytes after a run are handled
     after it."""
     broker, sub, pub = pair(ZoneLimits(max_inflight=4, max_mqueue_len=0), sub_qos=2, version=version)
@@ -502,7 +504,7 @@ def test_mqtt_4_8_2_shared_subscription_round_robin() -> None:
     assert [len(c.publishes()) for c in members] == [2, 2]
 
 
-# --------------------------------------------------------------------------- offline messages (seed 004)
+# --------------------------------------------------------------------------- offline messages
 
 
 def test_seed004_offline_messages_delivered_on_resume() -> None:
@@ -874,7 +876,7 @@ def test_mqtt_3_3_1_retained_messages_to_new_subscribers_are_the_current_ones_in
     assert set(broker.retained.encoded) <= live
 
 
-# --------------------------------------------------------------------------- store changes as output (DESIGN.md §4)
+# -------------------------------------------- store changes as output (docs/architecture.md, "The durability contract")
 
 
 def changelog_broker(now: float = 0.0) -> tuple[RecordingBroker, ChangeLog]:

@@ -1,4 +1,4 @@
-"""Issue 15, "Hostile clients and fuzzing": a short run of the in-process fuzz target (tests/fuzzing.py) in
+"""Hostile clients and fuzzing: a short run of the in-process fuzz target (tests/fuzzing.py) in
 ``make test``, driven by hypothesis, and the regression tests of what the fuzzer found. The long run is ``make
 fuzz`` (atheris/libFuzzer, tests/fuzz_main.py, at least 1,000,000 inputs: docs/reliability.md, "Fuzzing").
 """

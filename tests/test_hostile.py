@@ -1,4 +1,4 @@
-"""Issue 15, "Hostile clients": live tests against a real broker process on 127.0.0.1, each beside a well-behaved
+"""Hostile clients: live tests against a real broker process on 127.0.0.1, each beside a well-behaved
 QoS 1 pair (tests/bystanders.py) that must lose nothing. The same limits in process: tests/test_limits.py; the
 fuzzer: tests/test_fuzz.py.
 """

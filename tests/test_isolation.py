@@ -1,6 +1,7 @@
-"""Issue 13: one client's bad or careless input never harms another client's messages and never exhausts the
-gateway. Each test runs a hostile or careless client beside a well-behaved pair (tests/bystanders.py) that must
-lose nothing, against a real broker process, and checks the limit with its field-standard name and reason code.
+"""One client's bad or careless input never harms another client's messages and never exhausts the gateway
+(docs/reliability.md, "Limits" and "Memory bounds"). Each test runs a hostile or careless client beside a
+well-behaved pair (tests/bystanders.py) that must lose nothing, against a real broker process, and checks the limit
+with its field-standard name and reason code.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ bind = "127.0.0.1:0"
 
 
 def test_stuck_qos0_subscriber_of_large_messages_keeps_rss_bounded(make_broker: MakeBroker, uid: str) -> None:
-    """Issue 13 item 2: a subscriber that stops reading while 900 kB QoS 0 messages are published to it took the
-    broker from 29 MB to over 3 GB in 10 s. Past ``high_watermark`` (1 MiB) QoS 0 to it is dropped and counted, so
+    """A subscriber that stops reading while 900 kB QoS 0 messages are published to it once took the broker from
+    29 MB to over 3 GB in 10 s. Past ``high_watermark`` (1 MiB) QoS 0 to it is dropped and counted, so
     the broker's RSS stays within that bound plus a constant, and the bystanders lose nothing."""
     broker = make_broker(CONFIG)
     pair = QoS1Pair(broker.port, uid).start()
@@ -107,7 +108,7 @@ def test_stuck_qos0_subscriber_of_large_messages_keeps_rss_bounded(make_broker: 
 
 def test_stuck_qos1_subscriber_is_bounded_by_its_queue_and_closed_after_send_timeout(
         make_broker: MakeBroker, uid: str) -> None:
-    """Issue 13 item 2: QoS 1 messages for a connected subscriber that stopped reading wait in its Message Queue
+    """QoS 1 messages for a connected subscriber that stopped reading wait in its Message Queue
     under ``max_mqueue_bytes`` (oldest dropped first); after ``send_timeout`` without its socket draining it is
     closed (EMQX's ``send_timeout``), its persistent session keeps the queue, and it gets the newest messages when
     it comes back."""
@@ -154,7 +155,7 @@ def test_stuck_qos1_subscriber_is_bounded_by_its_queue_and_closed_after_send_tim
 
 
 def test_half_sent_connects_do_not_grow_memory(make_broker: MakeBroker, uid: str) -> None:
-    """Issue 13: bounded memory before CONNECT. 200 connections that each announce a 1 MB CONNECT and send part of
+    """Bounded memory before CONNECT. 200 connections that each announce a 1 MB CONNECT and send part of
     it hold at most their partial packets; the broker's RSS does not grow past that, and bystanders lose nothing."""
     broker = make_broker(CONFIG)
     pair = QoS1Pair(broker.port, uid).start()
@@ -180,7 +181,7 @@ def test_half_sent_connects_do_not_grow_memory(make_broker: MakeBroker, uid: str
 @pytest.mark.parametrize("version", [4, 5])
 def test_mqtt_3_1_3_8_client_identifier_past_max_clientid_len_refused(broker: BrokerProcess, uid: str,
                                                                        version: int) -> None:
-    """Issue 13 item 3: ``max_clientid_len`` (default 256 UTF-8 bytes) refuses a longer Client Identifier with
+    """``max_clientid_len`` (default 256 UTF-8 bytes) refuses a longer Client Identifier with
     CONNACK 0x85 Client Identifier not valid (3.1.1: return code 0x02) and closes [MQTT-3.1.3-8]; 256 bytes are
     accepted, and a 100-character identifier of 3-byte characters (300 bytes) is refused."""
     pair = QoS1Pair(broker.port, uid).start()
@@ -199,7 +200,7 @@ def test_mqtt_3_1_3_8_client_identifier_past_max_clientid_len_refused(broker: Br
 @pytest.mark.parametrize("version", [4, 5])
 def test_max_sessions_refuses_a_new_persistent_session_with_quota_exceeded(make_broker: MakeBroker, uid: str,
                                                                            version: int) -> None:
-    """Issue 13 item 3: ``max_sessions`` caps the persistent sessions held broker-wide; one more gets CONNACK 0x97
+    """``max_sessions`` caps the persistent sessions held broker-wide; one more gets CONNACK 0x97
     Quota exceeded (3.1.1: 0x03 Server unavailable). Clean sessions, resuming an existing session and sessions of
     other clients are not affected, and a slot freed by a Clean Start is available again."""
     broker = make_broker(CONFIG.replace("[listeners", "max_sessions = 6\n[listeners", 1))
@@ -242,7 +243,7 @@ def test_max_sessions_refuses_a_new_persistent_session_with_quota_exceeded(make_
 @pytest.mark.parametrize("version", [4, 5])
 def test_max_subscriptions_refuses_further_topic_filters_with_quota_exceeded(make_broker: MakeBroker, uid: str,
                                                                              version: int) -> None:
-    """Issue 13 item 3: ``max_subscriptions`` Topic Filters per client; further ones get SUBACK 0x97 Quota
+    """``max_subscriptions`` Topic Filters per client; further ones get SUBACK 0x97 Quota
     exceeded (3.1.1: 0x80 Failure) while those held keep working and can be subscribed again."""
     broker = make_broker(CONFIG + "max_subscriptions = 10\n")
     pair = QoS1Pair(broker.port, uid).start()
@@ -267,7 +268,7 @@ def test_max_subscriptions_refuses_further_topic_filters_with_quota_exceeded(mak
 
 
 def test_max_topic_levels_refuses_deep_filters_names_and_will_topics(broker: BrokerProcess, uid: str) -> None:
-    """Issue 13 item 3: ``max_topic_levels`` (EMQX's, default 128): a deeper Topic Filter gets SUBACK 0x8F, a
+    """``max_topic_levels`` (EMQX's, default 128): a deeper Topic Filter gets SUBACK 0x8F, a
     deeper QoS 1 Topic Name PUBACK 0x90, a deeper Will Topic CONNACK 0x90; 128 levels are fine."""
     pair = QoS1Pair(broker.port, uid).start()
     deep = "/".join(["l"] * 129)
@@ -295,7 +296,7 @@ def test_max_topic_levels_refuses_deep_filters_names_and_will_topics(broker: Bro
 
 
 def test_protocol_error_log_lines_are_rate_limited_per_client_and_reason(make_broker: MakeBroker, uid: str) -> None:
-    """Issue 13 item 6: a client sending garbage in a loop writes at most one log line per minute per reason;
+    """A client sending garbage in a loop writes at most one log line per minute per reason;
     the lines it would have written are counted (``$SYS/broker/log/suppressed``)."""
     broker = make_broker(CONFIG)
     pair = QoS1Pair(broker.port, uid).start()
@@ -314,7 +315,7 @@ def test_protocol_error_log_lines_are_rate_limited_per_client_and_reason(make_br
 
 
 def test_mqtt_3_3_4_9_disconnect_0x93_is_read_by_a_client_still_writing(make_broker: MakeBroker, uid: str) -> None:
-    """Issue 13 item 7 (the Paho interoperability test ``test_flow_control2``): a client that exceeds the broker's
+    """As in the Paho interoperability test ``test_flow_control2``: a client that exceeds the broker's
     Receive Maximum gets DISCONNECT 0x93 Receive Maximum exceeded [MQTT-3.3.4-9]; the broker closes its side after
     the DISCONNECT but keeps reading a while, so the client, still writing PUBRELs, does not get a broken pipe or
     a reset before it reads the reason code."""
@@ -359,7 +360,7 @@ def rss_anon_mib(broker: BrokerProcess) -> float:
 
 
 def test_abandoned_persistent_sessions_keep_their_queues_in_the_store(make_broker: MakeBroker, uid: str) -> None:
-    """Issue 13 (found by `make soak`): persistent sessions that subscribe and go away for good must not hold what
+    """Found by `make soak`: persistent sessions that subscribe and go away for good must not hold what
     is queued for them in memory. An offline session keeps at most 16 entries in memory (``OFFLINE_MEM_LEN``) and
     the rest wait only in the store, also after a restart; a session that comes back gets its whole queue, in order.
     Before, every offline queue was held whole: 2,000 such sessions with 1,000 messages each took 515 MiB."""

@@ -1,4 +1,4 @@
-"""Issue 15, "Limits", in process (sans-I/O, fake clock): ``max_connections``, ``max_topic_length``,
+"""Limits in process (sans-I/O, fake clock): ``max_connections``, ``max_topic_length``,
 ``max_publish_rate``, ``max_retained_messages`` and ``max_retained_bytes``. Each refusal is for the client that
 passed the limit only, with the reason code of docs/reliability.md's Limits table, and is counted in
 ``Stats.refused`` / ``Stats.dropped`` (``$SYS/broker/refused/<limit>``, ``messages/dropped/<limit>``). The same

@@ -1,9 +1,9 @@
 """Unit tests of the Message Queue drop policy (gateway/broker/mqueue.py) against a reference model.
 
-Seed 000/002 (EMQX, "Inflight and Queue"): "if the length limit of Message Queue is also reached, subsequent packets
-will still be buffered to the Message Queue, but the first buffered message in the corresponding message queue will
-be discarded. If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first."
-max_mqueue_len: "Message Queue length limit, 0 means no limit".
+The policy (docs/architecture.md, "Session semantics"; EMQX's "Inflight and Queue"): when the Message Queue has
+reached ``max_mqueue_len``, a new message is still queued and the oldest one is dropped, a QoS 0 message first if
+the queue holds any. ``max_mqueue_len`` 0 means no limit. The ``seed_000`` ... ``seed_004`` prefixes of test names
+name the group of session semantics a test checks, as in tests/test_core.py.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ _op = st.one_of(
 @settings(max_examples=400, deadline=None)
 @given(max_len=st.integers(0, 6), ops=st.lists(_op, max_size=80))
 def test_seed_000_002_drop_policy_matches_reference_model(max_len: int, ops: list[tuple[str, int | None]]) -> None:
-    """Seeds 000/002: the queue never exceeds max_mqueue_len (0 = no limit); when full the new message is still
-    queued and the oldest is dropped, "If there are QoS 0 messages in the queue, the QoS 0 messages will be
-    discarded first"; survivors keep FIFO order; push returns exactly the dropped entry."""
+    """The queue never exceeds max_mqueue_len (0 = no limit); when full the new message is still queued and the
+    oldest is dropped, a QoS 0 message first if the queue holds any; survivors keep FIFO order; push returns
+    exactly the dropped entry."""
     queue = MessageQueue(max_len)
     model = Model(max_len, [])
     tags = itertools.count(1)
@@ -130,8 +130,8 @@ def test_seed_000_002_drop_policy_matches_reference_model(max_len: int, ops: lis
 )
 def test_seed_000_remove_if_then_drop_policy_still_holds(max_len: int, before: list[int], remove_qos: set[int],
                                                          after: list[int]) -> None:
-    """Seed 004 (expired messages leave the queue) with seeds 000/002: ``remove_if`` drops exactly the matching
-    live entries in order, and the drop policy (QoS 0 first, else the oldest) still holds afterwards."""
+    """Expired offline messages leave the queue, with the drop policy in force: ``remove_if`` drops exactly the
+    matching live entries in order, and the drop policy (QoS 0 first, else the oldest) still holds afterwards."""
     queue = MessageQueue(max_len)
     model = Model(max_len, [])
     tags = itertools.count(1)
@@ -162,8 +162,8 @@ def test_seed_000_remove_if_then_drop_policy_still_holds(max_len: int, before: l
 
 
 def test_seed_002_full_queue_drops_oldest_qos0_first() -> None:
-    """Seed 002: "If there are QoS 0 messages in the queue, the QoS 0 messages will be discarded first" - with
-    max_mqueue_len 3 holding QoS 1, QoS 0, QoS 2, a new QoS 1 evicts the QoS 0 one, the next the oldest QoS 1."""
+    """A full queue drops a QoS 0 message first if it holds any - with max_mqueue_len 3 holding QoS 1, QoS 0,
+    QoS 2, a new QoS 1 evicts the QoS 0 one, the next the oldest QoS 1."""
     queue = MessageQueue(3)
     a, b, c = make_delivery(1), make_delivery(0), make_delivery(2)
     for d in (a, b, c):
@@ -185,7 +185,7 @@ def test_seed_002_full_queue_drops_oldest_qos0_first() -> None:
 
 
 def test_seed_000_max_mqueue_len_0_means_no_limit() -> None:
-    """Seed 000: "max_mqueue_len ... Message Queue length limit, 0 means no limit"."""
+    """``max_mqueue_len`` is the Message Queue's length limit, and 0 means no limit."""
     queue = MessageQueue(0)
     entries = [make_delivery(i % 3) for i in range(5000)]
     for d in entries:
@@ -195,7 +195,7 @@ def test_seed_000_max_mqueue_len_0_means_no_limit() -> None:
 
 
 def test_seed_000_peek_skips_dropped_head() -> None:
-    """Seed 000: after the oldest QoS 0 entry at the head is dropped, peek and pop see the next live entry."""
+    """After the oldest QoS 0 entry at the head is dropped, peek and pop see the next live entry."""
     queue = MessageQueue(2)
     q0, q1 = make_delivery(0), make_delivery(1)
     queue.push(q0)
@@ -209,10 +209,10 @@ def test_seed_000_peek_skips_dropped_head() -> None:
 
 
 def test_dropped_entries_do_not_accumulate_in_a_queue_that_is_never_popped() -> None:
-    """Issue 13 item 2: a client that stopped reading never pops its queue, while the drop policy keeps dropping the
-    oldest QoS 0 entry (seed 000). Dropped entries are removed lazily, so without compaction the FIFO kept every
-    dropped entry and its payload: 3 GB of RSS in 10 s for 900 kB messages. The entries held stay within a constant
-    of ``max_len``, and the live ones are still the newest, in order."""
+    """A client that stopped reading never pops its queue, while the drop policy keeps dropping the oldest QoS 0
+    entry. Dropped entries are removed lazily, so without compaction the FIFO kept every dropped entry and its
+    payload: 3 GB of RSS in 10 s for 900 kB messages. The entries held stay within a constant of ``max_len``, and
+    the live ones are still the newest, in order."""
     queue = MessageQueue(max_len=10)
     pushed = [make_delivery(0) for _ in range(10_000)]
     for delivery in pushed:

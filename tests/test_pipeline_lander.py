@@ -371,10 +371,10 @@ def _sync(observer: LocalClient, n: int) -> None:
 
 
 def test_end_to_end_simulator_bridge_upstream_outage_lander_spark(spark: Any, make_broker: Any, tmp_path: Path) -> None:
-    """Issue 8's end to end, every hop a real process on 127.0.0.1: `firmware-bridge simulate` replays the NERACOOS
-    buoy B01 series on a real pty at 100 readings/s -> firmware-bridge (QoS 1) -> the edge gateway (LMDB store) ->
-    its upstream bridge -> Mosquitto, the cloud -> the lander (`fleet-pipeline land`) -> Spark (`run all`). In
-    the middle the cloud is stopped (SIGTERM by PID) while the board keeps sending, then restarted on the same port.
+    """The fleet data path end to end, every hop a real process on 127.0.0.1: `firmware-bridge simulate` replays the
+    NERACOOS buoy B01 series on a real pty at 100 readings/s -> firmware-bridge (QoS 1) -> the edge gateway (LMDB store)
+    -> its upstream bridge -> Mosquitto, the cloud -> the lander (`fleet-pipeline land`) -> Spark (`run all`). In the
+    middle the cloud is stopped (SIGTERM by PID) while the board keeps sending, then restarted on the same port.
 
     The outage really happened: the link's ``$SYS`` state goes connected -> backing-off/connecting -> connected
     (2 connects), the outbox held the readings meanwhile, and the readings that reached the gateway while the link

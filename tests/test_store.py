@@ -1,4 +1,5 @@
-"""The LMDB store behind persistent sessions (DESIGN.md §4), tested on real broker subprocesses and real LMDB files.
+"""The LMDB store behind persistent sessions (README, "The store"; docs/architecture.md, "The durability contract"),
+tested on real broker subprocesses and real LMDB files.
 
 - Restart restores everything: persistent sessions (3.1.1 Clean Session 0, 5.0 Session Expiry Interval > 0) with
   their subscriptions and options, queued messages in order, retained messages, and QoS 2 flows half-way through in
@@ -299,7 +300,7 @@ def restarted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def test_shutdown_exit_code_and_restored_state_logged(restarted: Scenario) -> None:
-    """SIGTERM with queued persistent messages is a clean stop (exit 0, DESIGN.md §6); the restarted broker logs
+    """SIGTERM with queued persistent messages is a clean stop (exit 0); the restarted broker logs
     that it restored the sessions and retained messages. (SIGKILL: the process died of signal 9.)"""
     assert restarted.exit_code == (0 if restarted.mode == "sigterm" else -9)
     assert restarted.broker is not None
@@ -485,7 +486,7 @@ def sys_value(paho: PahoClient, name: str, expected: str, timeout: float = 5.0) 
 
 
 def test_store_full_refuses_new_work_keeps_serving_and_loses_nothing(tmp_path: Path, clients: Clients) -> None:
-    """DESIGN.md §4 store quota: with ``max_size = "4MB"`` and a persistent offline subscriber, large QoS 1 messages
+    """The store quota: with ``max_size = "4MB"`` and a persistent offline subscriber, large QoS 1 messages
     are accepted until the store is full; then a 5.0 publisher gets PUBACK 0x97 Quota exceeded (MQTT 5.0 §3.4.2.1)
     and PUBREC 0x97, a 3.1.1 QoS 1 publisher is disconnected without a PUBACK; QoS 0 for the offline session is
     dropped and a retained QoS 0 message is kept in memory only (neither may overflow the store). The broker logs
@@ -644,7 +645,7 @@ def _corrupt(data_file: Path) -> bytes:
 
 
 def test_corrupt_store_is_quarantined_and_broker_starts_empty(tmp_path: Path, clients: Clients) -> None:
-    """DESIGN.md §4: a store that cannot be opened is moved aside to ``<path>.corrupt-<timestamp>``, logged loudly
+    """A store that cannot be opened is moved aside to ``<path>.corrupt-<timestamp>``, logged loudly
     (naming that directory), and the broker starts with an empty store and serves."""
     _make_store_with_session(tmp_path, CONFIG, clients)
     garbage = _corrupt(tmp_path / "var" / "data.mdb")
@@ -682,7 +683,7 @@ bind = "127.0.0.1:0"
 
 
 def test_corrupt_store_with_on_corrupt_refuse_exits_74(tmp_path: Path, clients: Clients) -> None:
-    """DESIGN.md §4 / ``store.on_corrupt = "refuse"``: a corrupt store makes ``serve`` exit 74 (EX_IOERR) with one
+    """``store.on_corrupt = "refuse"``: a corrupt store makes ``serve`` exit 74 (EX_IOERR) with one
     clear line and no traceback, and leaves the store where it is."""
     _make_store_with_session(tmp_path, REFUSE_CONFIG, clients)
     garbage = _corrupt(tmp_path / "var" / "data.mdb")
@@ -702,7 +703,7 @@ def test_corrupt_store_with_on_corrupt_refuse_exits_74(tmp_path: Path, clients: 
 
 
 def test_acknowledgements_in_one_write_leave_no_rows(tmp_path: Path, clients: Clients) -> None:
-    """DESIGN.md §4: a delivery's queue row and its message row go once the delivery is acknowledged. A persistent
+    """A delivery's queue row and its message row go once the delivery is acknowledged. A persistent
     subscriber acknowledges whole windows in one write each (the broker reads such runs of PUBACKs in one go);
     after a clean stop the store holds its session and subscription but no queue or message rows."""
     broker = BrokerProcess(CONFIG, workdir=str(tmp_path)).start()
@@ -735,9 +736,9 @@ def test_acknowledgements_in_one_write_leave_no_rows(tmp_path: Path, clients: Cl
 
 
 def test_store_stats_inspect_compact(tmp_path: Path, clients: Clients) -> None:
-    """``edge-gateway store stats|inspect|compact`` (DESIGN.md §4/§6) on a stopped broker's store with sessions and
-    queued messages: the right counts, the sessions and subscriptions by name, a compaction after which every queued
-    message is still delivered; compact while the broker runs is refused (exit 1, the store is locked)."""
+    """``edge-gateway store stats|inspect|compact`` (README, "The store") on a stopped broker's store with sessions
+    and queued messages: the right counts, the sessions and subscriptions by name, a compaction after which every
+    queued message is still delivered; compact while the broker runs is refused (exit 1, the store is locked)."""
     broker = BrokerProcess(CONFIG, workdir=str(tmp_path)).start()
     try:
         port = broker.port

@@ -1,4 +1,5 @@
-"""When the LMDB store commits (gateway/store/lmdb_store.py, DESIGN.md §4), on a real store and a real event loop.
+"""When the LMDB store commits (gateway/store/lmdb_store.py; docs/architecture.md, "The durability contract"), on
+a real store and a real event loop.
 
 Work a client waits for is committed at the end of the loop turn that recorded it. That covers a PUBACK, PUBREC,
 PUBCOMP, SUBACK or UNSUBACK, and a QoS 2 send (all held under a commit barrier). Changes nobody waits for (deletes

@@ -1,5 +1,6 @@
-"""Crash tests of the durability contract (DESIGN.md §4): the broker runs as a real subprocess on a real LMDB
-store and is killed with SIGKILL at random points under load, then restarted on the same store.
+"""Crash tests of the durability contract (docs/architecture.md, "The durability contract"): the broker runs as a real
+subprocess on a real LMDB store and is killed with SIGKILL at random points under load, then restarted on the same
+store.
 
 Every message whose PUBACK (QoS 1) or PUBREC (QoS 2) the publisher received must reach each persistent
 subscriber at least once, exactly once for QoS 2 end to end, in publish order per publisher.
@@ -76,7 +77,7 @@ class Publisher:
 
 @dataclass
 class Subscriber:
-    """A persistent-session subscriber that acknowledges like a correct MQTT receiver (seed 003)."""
+    """A persistent-session subscriber that acknowledges like a correct MQTT receiver (MQTT 5.0 §4.3)."""
 
     name: str
     version: int
@@ -232,7 +233,7 @@ def _run_crash_scenario(workdir: str, subscribers_online: bool, seed: int, kills
 @pytest.mark.parametrize("subscribers_online", [False, True], ids=["offline-subscribers", "slow-online-subscribers"])
 def test_acknowledged_messages_survive_sigkill(tmp_path: object, subscribers_online: bool) -> None:
     """SIGKILL at random points under load; every acknowledged message is delivered after restart, QoS 2
-    exactly once, in order per publisher (DESIGN.md §4; issue: durable sessions in LMDB)."""
+    exactly once, in order per publisher (docs/architecture.md, "The durability contract")."""
     seed = int(os.environ.get("CRASH_SEED", random.randrange(1 << 30)))
     print(f"crash seed {seed}")
     report = _run_crash_scenario(str(tmp_path), subscribers_online, seed)

@@ -1,7 +1,6 @@
-"""A full disk or store (DESIGN.md §4): a QoS 1/2 PUBLISH that cannot be made durable is refused at
-once (MQTT 5: PUBACK/PUBREC 0x97 Quota exceeded; 3.1.1: disconnected) instead of never being acknowledged; the broker
-keeps serving QoS 0 and deliveries, loses nothing it acknowledged, and takes QoS 1/2 again by itself once there is
-room.
+"""A full disk or store (README, "The store"): a QoS 1/2 PUBLISH that cannot be made durable is refused at once (MQTT 5:
+PUBACK/PUBREC 0x97 Quota exceeded; 3.1.1: disconnected) instead of never being acknowledged; the broker keeps serving
+QoS 0 and deliveries, loses nothing it acknowledged, and takes QoS 1/2 again by itself once there is room.
 
 The disk test runs the real broker in a private mount namespace (``unshare --mount``) on a tmpfs of a few MB that
 exists only inside it; the test reaches the files through ``/proc/<pid>/root`` to fill the disk with a filler file
@@ -402,11 +401,11 @@ async def _until(predicate: Any, timeout: float) -> bool:
 
 
 def test_a_waiter_with_nothing_of_its_own_in_a_failed_batch_is_not_refused(tmp_path: Path) -> None:
-    """Isolation (DESIGN.md §4): a QoS 1 PUBLISH that recorded nothing (clean sessions only) waits behind the batch
-    being written only to keep acknowledgements in order. When that batch fails for lack of room, its own waiters
-    are refused (told the store is full) and the other is acknowledged right after them: another client's failed
-    commit does not refuse it. The batch is held in flight by holding ``map_lock``, under which the writer grows the
-    map (a 32 MiB map, 80 MiB of changes, ``max_size`` 64 MiB)."""
+    """Isolation (the commit barriers of docs/architecture.md): a QoS 1 PUBLISH that recorded nothing (clean sessions
+    only) waits behind the batch being written only to keep acknowledgements in order. When that batch fails for lack of
+    room, its own waiters are refused (told the store is full) and the other is acknowledged right after them: another
+    client's failed commit does not refuse it. The batch is held in flight by holding ``map_lock``, under which the
+    writer grows the map (a 32 MiB map, 80 MiB of changes, ``max_size`` 64 MiB)."""
     loop, store = _full_store(tmp_path, 64 * 1024 * 1024, 4 * 1024 * 1024)
     events: list[Any] = []
     try:

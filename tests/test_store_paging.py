@@ -1,8 +1,10 @@
 """Message Queue paging (``[store] mqueue_mem_len``): a persistent session's queue keeps ``mqueue_mem_len`` entries
 in memory and the rest only in the LMDB store, read back as it drains (gateway/broker/mqueue.py, LmdbPager).
 
-Paging must not change what a subscriber gets. Seeds 000/002 still hold: FIFO order, ``max_mqueue_len`` with the
-oldest dropped and QoS 0 dropped first. A restart (SIGTERM or SIGKILL) restores the same queue.
+Paging must not change what a subscriber gets. The Message Queue's rules (docs/architecture.md, "Session semantics")
+still hold: FIFO order, ``max_mqueue_len`` with the oldest dropped and QoS 0 dropped first. A restart (SIGTERM or
+SIGKILL) restores the same queue. The ``seed_000`` ... ``seed_004`` prefixes of test names name the group of session
+semantics a test checks, as in tests/test_core.py.
 
 - The queue is checked against the reference model of tests/test_mqueue.py on a real LmdbStore. Commits are left
   pending or let through at random points, so entries sit in all three parts of the queue: in memory, paged, and
@@ -142,9 +144,9 @@ _op = st.one_of(
 def test_seed_000_002_paged_queue_matches_reference_model(max_len: int, mem_len: int,
                                                           ops: list[tuple[str, int | None]], restart: bool,
                                                           after: list[int]) -> None:
-    """Seeds 000/002 with paging: whatever part of the queue an entry is in (memory, store only, or waiting for its
-    commit), the queue keeps FIFO order and the drop policy (QoS 0 first, else the oldest), push reports exactly
-    the dropped entry, and a reload from the store restores the same queue, to which ``after`` is then pushed
+    """The queue's order and drop policy with paging: whatever part of the queue an entry is in (memory, store only, or
+    waiting for its commit), the queue keeps FIFO order and the drop policy (QoS 0 first, else the oldest), push reports
+    exactly the dropped entry, and a reload from the store restores the same queue, to which ``after`` is then pushed
     (new store rows must not reuse a paged row's key). Once drained, no queue or message row is left in the store
     (reference counts hold)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -296,11 +298,11 @@ def _publish_qos1(broker: BrokerProcess, client_id: str, topic: str, tags: range
 @pytest.mark.parametrize("restart", ["none", "sigterm", "sigkill"])
 def test_seed_000_002_offline_queue_paged_to_store_survives_restart(paging_broker: BrokerProcess,
                                                                     restart: str) -> None:
-    """Seeds 000/002/004 end to end with ``mqueue_mem_len = 4`` and ``max_mqueue_len = 60``: 200 messages of QoS 0
-    and 1 for an offline 3.1.1 Clean Session 0 subscriber, most of them only in the store, then (after no
-    restart, a SIGTERM or a SIGKILL of the broker once every publish was acknowledged) 30 more and, with a
-    restart, a second SIGKILL. On reconnect it receives exactly the reference model's survivors: the newest,
-    QoS 0 dropped first, in publish order, Session Present 1."""
+    """The queue's order, drop policy and offline delivery end to end with ``mqueue_mem_len = 4`` and
+    ``max_mqueue_len = 60``: 200 messages of QoS 0 and 1 for an offline 3.1.1 Clean Session 0 subscriber, most of them
+    only in the store, then (after no restart, a SIGTERM or a SIGKILL of the broker once every publish was acknowledged)
+    30 more and, with a restart, a second SIGKILL. On reconnect it receives exactly the reference model's survivors: the
+    newest, QoS 0 dropped first, in publish order, Session Present 1."""
     broker = paging_broker
     _offline_subscriber(broker, "pg-sub", "pg/#")
     rng = random.Random(4)
@@ -469,15 +471,15 @@ def test_paged_row_without_its_message_is_forgotten_and_the_rest_drains(tmp_path
 def test_rows_of_a_failed_commit_leave_the_queue_and_are_never_paged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 13 item 5 ("Message Queue: N paged entries not found in the store"). A commit that fails (here: the
+    """No "Message Queue: N paged entries not found in the store" after a failed commit. A commit that fails (here: the
     store is full at ``max_size``) writes none of the queue rows in it, yet the next commit that succeeds moves
-    ``committed_seq`` past them, and the queue used to page those entries out as rows the store does not have:
-    they counted towards ``len`` and ``max_mqueue_len`` (the drop policy dropped real entries for them) until the
-    drain found them missing and logged an error. Now the store reports the rows it could not write before any
-    later commit lands, and their entries leave the queue (their publishers were not acknowledged). With entries
-    in all three parts (in memory, paged, uncommitted tail) and QoS 0 and 1 mixed, the queue then matches the
-    reference model without the failed entries (pushes report the same victims), after a reload too, drains in
-    order to an empty store, and nothing is logged as missing."""
+    ``committed_seq`` past them, and the queue used to page those entries out as rows the store does not have: they
+    counted towards ``len`` and ``max_mqueue_len`` (the drop policy dropped real entries for them) until the drain found
+    them missing and logged an error. Now the store reports the rows it could not write before any later commit lands,
+    and their entries leave the queue (their publishers were not acknowledged). With entries in all three parts (in
+    memory, paged, uncommitted tail) and QoS 0 and 1 mixed, the queue then matches the reference model without the
+    failed entries (pushes report the same victims), after a reload too, drains in order to an empty store, and nothing
+    is logged as missing."""
     max_len = 12
     paged = PagedSession(tmp_path / "store", max_len, 2, max_size=1024 * 1024)
     try:
@@ -612,14 +614,14 @@ def _sys_value(port: int, name: str, timeout: float = 5.0) -> str | None:
 
 
 def test_offline_flood_with_a_failed_commit_pages_only_stored_rows(tmp_path: Path) -> None:
-    """Issue 13 item 5, end to end: two offline 3.1.1 Clean Session 0 subscribers (``mqueue_mem_len = 4``,
-    ``max_mqueue_len = 29``) get a flood of QoS 1 messages; one of them (4.5 MB) cannot be committed (the store is
-    full at ``max_size``), so it is never acknowledged; the flood goes on once the store takes writes again. The
-    failed message's queue entries leave both queues, counted in ``$SYS/broker/messages/dropped/
-    store_write_failed``; they are not paged out as rows the store lacks ("Message Queue: N paged entries not
-    found in the store") and do not count towards ``max_mqueue_len``: each subscriber then receives exactly the 29
-    acknowledged messages, in order, none dropped for room. A QoS1Pair exchanges messages beside it all and loses
-    nothing."""
+    """A failed commit leaves no paged entry the store lacks, end to end: two offline 3.1.1 Clean Session 0 subscribers
+    (``mqueue_mem_len = 4``, ``max_mqueue_len = 29``) get a flood of QoS 1 messages; one of them (4.5 MB) cannot be
+    committed (the store is full at ``max_size``), so it is never acknowledged; the flood goes on once the store takes
+    writes again. The failed message's queue entries leave both queues, counted in
+    ``$SYS/broker/messages/dropped/store_write_failed``; they are not paged out as rows the store lacks ("Message
+    Queue: N paged entries not found in the store") and do not count towards ``max_mqueue_len``: each subscriber then
+    receives exactly the 29 acknowledged messages, in order, none dropped for room. A QoS1Pair exchanges messages beside
+    it all and loses nothing."""
     broker = BrokerProcess(FULL_CONFIG, workdir=str(tmp_path)).start()
     try:
         port = broker.ports["flood"]

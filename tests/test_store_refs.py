@@ -1,5 +1,6 @@
-"""Message rows and their references in the LMDB store (DESIGN.md §4: "Payloads are stored once and referenced by
-queue entries"), checked against a reference model on a real LmdbStore and a real event loop.
+"""Message rows and their references in the LMDB store (payloads are stored once and referenced by the rows that need
+them: docs/architecture.md, "The durability contract"; README, "The store"), checked against a reference model on a real
+LmdbStore and a real event loop.
 
 The writer thread writes the queue rows of brand-new messages in bulk (one ``putmulti`` per database): a message
 queued for one session only is stored in that queue row, one queued for several sessions in the same commit gets
@@ -164,7 +165,7 @@ def test_message_rows_match_their_references(ops: list[tuple[object, ...]]) -> N
 
 
 def test_a_message_for_one_session_is_stored_in_its_queue_row_and_shared_ones_once(tmp_path: Path) -> None:
-    """DESIGN.md §4, payloads stored once: message 1 queued for ``a`` only is stored in ``a``'s queue row (no
+    """Payloads stored once: message 1 queued for ``a`` only is stored in ``a``'s queue row (no
     message row); message 2 queued for ``a``, ``b`` and ``c`` in the same commit has one message row referenced
     three times; a retained message 3 also queued for ``a`` has one row referenced twice."""
     model = Store(tmp_path / "store")

@@ -1,4 +1,5 @@
-"""The broker's side of systemd's notification protocol (DESIGN.md §6), against a fake ``NOTIFY_SOCKET``.
+"""The broker's side of systemd's notification protocol, against a fake ``NOTIFY_SOCKET`` (README section
+"The appliance: systemd services, Ansible provisioning, the gateway image").
 
 Each test binds a unix datagram socket in a temporary directory, starts the real broker subprocess with
 ``NOTIFY_SOCKET`` pointing at it (and ``WATCHDOG_USEC`` as systemd would set it from ``WatchdogSec=``), and reads the
@@ -136,7 +137,7 @@ def wait_log(proc: BrokerProcess, text: str, timeout: float = 10.0) -> None:
 def test_sd_notify_ready_status_watchdog_stopping_sequence(
     notify_socket: NotifySocket, notified_broker: Callable[..., BrokerProcess], uid: str
 ) -> None:
-    """DESIGN.md §6: READY=1 first, once the listener is bound and the store open; then STATUS= (clients,
+    """READY=1 first, once the listener is bound and the store open; then STATUS= (clients,
     queued, store use) refreshed as it changes and WATCHDOG=1 every half WATCHDOG_USEC; on SIGTERM STOPPING=1, no
     ping after it, then the store is closed and the exit code is 0."""
     proc = notified_broker()
@@ -183,9 +184,8 @@ def test_sd_notify_ready_status_watchdog_stopping_sequence(
 def test_sd_notify_watchdog_pings_stop_while_event_loop_hangs(
     notify_socket: NotifySocket, notified_broker: Callable[..., BrokerProcess]
 ) -> None:
-    """DESIGN.md §6: WATCHDOG=1 only while the event loop turns. SIGUSR2 with
-    EDGE_GATEWAY_DEBUG_HANG=loop:2 blocks the loop for 2 s: no ping in that time (systemd would kill the service),
-    and pings resume once the loop turns again."""
+    """WATCHDOG=1 only while the event loop turns. SIGUSR2 with EDGE_GATEWAY_DEBUG_HANG=loop:2 blocks the loop for 2 s:
+    no ping in that time (systemd would kill the service), and pings resume once the loop turns again."""
     proc = notified_broker(EDGE_GATEWAY_DEBUG_HANG="loop:2")
     notify_socket.wait_for(lambda t: pings(t) >= 2)
     hang_from = time.monotonic()
@@ -201,9 +201,9 @@ def test_sd_notify_watchdog_pings_stop_while_event_loop_hangs(
 def test_sd_notify_watchdog_pings_stop_while_store_writer_is_stuck(
     notify_socket: NotifySocket, notified_broker: Callable[..., BrokerProcess], uid: str
 ) -> None:
-    """DESIGN.md §4 and §6: WATCHDOG=1 only while the store writer commits. SIGUSR2 with
-    EDGE_GATEWAY_DEBUG_HANG=store:2.5 holds the LMDB write lock: a QoS 1 retained PUBLISH is not acknowledged, STATUS
-    says the writer is stalled and the pings stop; when the lock is released the PUBACK arrives and pings resume."""
+    """WATCHDOG=1 only while the store writer commits. SIGUSR2 with EDGE_GATEWAY_DEBUG_HANG=store:2.5 holds the LMDB
+    write lock: a QoS 1 retained PUBLISH is not acknowledged, STATUS says the writer is stalled and the pings stop; when
+    the lock is released the PUBACK arrives and pings resume."""
     proc = notified_broker(EDGE_GATEWAY_DEBUG_HANG="store:2.5")
     notify_socket.wait_for(lambda t: pings(t) >= 2)
     assert proc.proc is not None
@@ -215,7 +215,7 @@ def test_sd_notify_watchdog_pings_stop_while_store_writer_is_stuck(
         pub.connect(f"{uid}-pub")
         pub.send(Publish(f"{uid}/retained", b"kept", qos=1, retain=True, packet_id=7))
         with pytest.raises(TimeoutError):
-            pub.recv(timeout=1.0)  # not durable yet: no PUBACK (DESIGN.md §4)
+            pub.recv(timeout=1.0)  # not durable yet: no PUBACK (docs/architecture.md, "The durability contract")
         notify_socket.wait_for(lambda t: (1, 0, True) in statuses(t))
         ack = pub.recv(timeout=5.0)
         assert isinstance(ack, PubAck) and ack.packet_id == 7
@@ -245,7 +245,7 @@ def test_sd_notify_no_watchdog_pings_for_another_pid(
 def test_sd_notify_status_reports_upstream_link_state(
     notify_socket: NotifySocket, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Issue 7: STATUS= names each upstream link's state and outbox depth: a link to a loopback port nobody listens
+    """STATUS= names each upstream link's state and outbox depth: a link to a loopback port nobody listens
     on is reported backing off with an empty outbox."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -467,11 +467,11 @@ def _serial(der: bytes) -> int:
 def test_sighup_reloads_the_certificate_keeps_connections_and_keeps_the_old_one_on_a_broken_key(
     pki: dict[str, Issued], tmp_path: Path
 ) -> None:
-    """Issue 15, "SIGHUP reloads ... certificates without dropping connections": a client connected with the old
-    certificate stays connected across SIGHUP; after the certificate and key files are replaced and SIGHUP sent, new
-    connections are shown the new certificate (its serial and DER, read by the client with ``ssl``); a broken key
-    file and SIGHUP: the file and the reason are logged, the previous certificate stays in use, and the broker
-    goes on serving (established TLS clients and new ones, and a QoS 1 pair on the plaintext listener)."""
+    """SIGHUP reloads the certificates without dropping connections (README, "Security"): a client connected with the
+    old certificate stays connected across SIGHUP; after the certificate and key files are replaced and SIGHUP sent, new
+    connections are shown the new certificate (its serial and DER, read by the client with ``ssl``); a broken key file
+    and SIGHUP: the file and the reason are logged, the previous certificate stays in use, and the broker goes on
+    serving (established TLS clients and new ones, and a QoS 1 pair on the plaintext listener)."""
     live = tmp_path / "live"
     live.mkdir()
     certfile, keyfile = live / "server.crt", live / "server.key"

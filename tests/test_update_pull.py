@@ -194,8 +194,9 @@ def publish(site: Site, version: str = "1.5.0", compatible: str = "edge-gateway-
 
 def test_newer_version_is_downloaded_verified_installed_and_rebooted_in_the_window(
         gw: Gateway, site: Site, server: HttpsServer) -> None:
-    """The issue: a newer bundle for its compatible is downloaded, verified, installed and the gateway rebooted
-    inside the maintenance window; the bundle file is removed afterwards and `pending` records the install."""
+    """A pull update (README, "Pull updates"): a newer bundle for its compatible is downloaded, verified, installed and
+    the gateway rebooted inside the maintenance window; the bundle file is removed afterwards and `pending` records the
+    install."""
     result = gw.pull(server.url(publish(site)), maintenance_window="02:00-04:00")
     assert result.returncode == 0, result.stderr
     bundle = gw.download / f"{SHA}.raucb"

@@ -1,6 +1,7 @@
 """Upstream outbox bounds: bounds and TTL drop exactly what the policy says and count it, and the local broker
-keeps serving throughout (docs/upstream.md; DESIGN.md §5 "Bounded by count, bytes and age; every drop counted by
-reason"). One gateway, three links to a stand-in cloud that is down at first, each with one bound."""
+keeps serving throughout (docs/upstream.md, "Bounds and drops": the outbox is bounded by count, bytes and age, and
+every drop is counted by reason). One gateway, three links to a stand-in cloud that is down at first, each with
+one bound."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Upstream bridge, steady state (DESIGN.md §5, docs/upstream.md): forwarding to a real Mosquitto standing
-in for the cloud, exactly once and in order; the msg_id User Property (docs/message-format.md); MQTT 3.1.1
-upstreams; the downlink; loop prevention; link state on $SYS; the [[upstream]] config checks."""
+"""Upstream bridge, steady state (docs/upstream.md): forwarding to a real Mosquitto standing in for the cloud, exactly
+once and in order; the msg_id User Property (docs/message-format.md); MQTT 3.1.1 upstreams; the downlink; loop
+prevention; link state on $SYS; the [[upstream]] config checks."""
 
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ qos = 1
 def test_steady_state_qos1_arrives_upstream_in_order_exactly_once(
     gateway: BrokerProcess, cloud: Mosquitto, uid: str
 ) -> None:
-    """Issue 6 "Done when": readings published locally at QoS 1 arrive upstream in order, each exactly once, with
-    a distinct msg_id "<gateway_id>:<seq>" (docs/message-format.md "Upstream additions"); the counters agree."""
+    """Readings published locally at QoS 1 arrive upstream in order, each exactly once, with a distinct msg_id
+    "<gateway_id>:<seq>" (docs/message-format.md "Upstream additions"); the counters agree."""
     sub = CloudSubscriber(cloud.port, [f"fleet/{GW}/#"], f"cloud-{uid}").start()
     pub = LocalClient(gateway.port, f"pub-{uid}", mqtt.MQTTv311)
     watch = SysWatcher(gateway.port, "cloud", f"sys-{uid}")
@@ -109,7 +109,7 @@ def test_steady_state_qos1_arrives_upstream_in_order_exactly_once(
 
 
 def test_qos2_forwarded_at_qos2_and_properties_kept(gateway: BrokerProcess, cloud: Mosquitto, uid: str) -> None:
-    """DESIGN.md §5: QoS 2 goes through the outbox and leaves it on PUBCOMP; docs/message-format.md: the payload is
+    """docs/upstream.md: QoS 2 goes through the outbox and leaves it on PUBCOMP; docs/message-format.md: the payload is
     forwarded byte for byte and the publisher's User Properties stay, with msg_id added (MQTT 5 upstream)."""
     sub = CloudSubscriber(cloud.port, [f"fleet/{GW}/#"], f"cloud-{uid}").start()
     pub = LocalClient(gateway.port, f"pub-{uid}")
@@ -135,8 +135,8 @@ def test_qos2_forwarded_at_qos2_and_properties_kept(gateway: BrokerProcess, clou
 
 
 def test_mqtt311_upstream_has_no_msg_id(gateway: BrokerProcess, cloud: Mosquitto, uid: str) -> None:
-    """Issue 6: a stable id is carried as an MQTT 5 User Property; "with 3.1.1 upstreams documented as not
-    available" (docs/upstream.md): the 3.1.1 link forwards in order, without properties."""
+    """A stable id is carried as an MQTT 5 User Property; MQTT 3.1.1 has no properties, so a 3.1.1 link forwards
+    in order without one (docs/upstream.md)."""
     sub = CloudSubscriber(cloud.port, ["old/#"], f"cloud-{uid}").start()
     pub = LocalClient(gateway.port, f"pub-{uid}", mqtt.MQTTv311)
     try:
@@ -155,9 +155,9 @@ def test_mqtt311_upstream_has_no_msg_id(gateway: BrokerProcess, cloud: Mosquitto
 def test_downlink_command_reaches_local_topic_and_is_not_forwarded_back(
     gateway: BrokerProcess, cloud: Mosquitto, uid: str
 ) -> None:
-    """Issue 6: downlink commands from the cloud reach the local topic (subscribe rule "cmd/{gateway_id}/#"), and
-    "a message that came down from the cloud is not forwarded back up" although a forward rule ("cmd/#")
-    matches it: the cloud sees the command once, while a local publish on cmd/ is forwarded."""
+    """Downlink commands from the cloud reach the local topic (subscribe rule "cmd/{gateway_id}/#"), and a message that
+    came down from the cloud is not forwarded back up (docs/upstream.md, "Downlink and loops") although a forward rule
+    ("cmd/#") matches it: the cloud sees the command once, while a local publish on cmd/ is forwarded."""
     sub = CloudSubscriber(cloud.port, ["cmd/#"], f"cloud-{uid}").start()
     local = LocalClient(gateway.port, f"board-{uid}")
     watch = SysWatcher(gateway.port, "cloud", f"sys-{uid}")
@@ -183,8 +183,8 @@ def test_downlink_command_reaches_local_topic_and_is_not_forwarded_back(
 
 
 def test_link_state_published_on_sys_connection_topic(gateway: BrokerProcess) -> None:
-    """DESIGN.md §5: "Link state is published on $SYS/broker/connection/<name>/state like Mosquitto's bridge
-    notifications", with the backlog depth, oldest age and last ack time next to it (retained)."""
+    """Link state is published on $SYS/broker/connection/<name>/state like Mosquitto's bridge notifications
+    (docs/upstream.md), with the backlog depth, oldest age and last ack time next to it (retained)."""
     watch = SysWatcher(gateway.port, "legacy", "sys-state-check")
     try:
         assert watch.wait("state", "connected")
@@ -209,8 +209,8 @@ def _check_config(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]
 
 
 def test_upstream_config_errors_name_key_value_and_allowed(tmp_path: Path) -> None:
-    """DESIGN.md §6 (every bad key named with what is allowed), applied to [[upstream]]: check-config fails with
-    one line per mistake."""
+    """`edge-gateway check-config` names every bad key with what is allowed (docs/upstream.md, "Configuration"), applied
+    to [[upstream]]: check-config fails with one line per mistake."""
     result = _check_config(
         tmp_path,
         """
@@ -314,9 +314,9 @@ def _pki(directory: Path) -> dict[str, str]:
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
 def test_mqtts_upstream_with_client_certificate(make_broker, tmp_path: Path, uid: str) -> None:
-    """Issue 6 config: "URL mqtt:// or mqtts://, ... CA/client certificates": an mqtts:// link verifies the cloud
-    broker against ca_file and presents cert_file/key_file to a Mosquitto listener that requires a client
-    certificate; the readings arrive."""
+    """The link's URL is mqtt:// or mqtts://, with CA and client certificates (docs/upstream.md, "Configuration"): an
+    mqtts:// link verifies the cloud broker against ca_file and presents cert_file/key_file to a Mosquitto listener that
+    requires a client certificate; the readings arrive."""
     pki = _pki(tmp_path)
     tls_port = free_port()
     cloud = Mosquitto(

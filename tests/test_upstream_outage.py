@@ -1,7 +1,7 @@
-"""Upstream bridge outages (DESIGN.md §4-5, docs/upstream.md): the stand-in cloud (a real Mosquitto) is stopped
-and restarted while local publishers keep going, with and without a gateway SIGKILL during the outage. Every
-acknowledged QoS 1/2 message arrives after recovery, in order per topic; duplicates carry the same msg_id; QoS 0
-is dropped while the link is down (store_qos0 = false) and counted; the counters match."""
+"""Upstream bridge outages (docs/upstream.md): the stand-in cloud (a real Mosquitto) is stopped and restarted while
+local publishers keep going, with and without a gateway SIGKILL during the outage. Every acknowledged QoS 1/2 message
+arrives after recovery, in order per topic; duplicates carry the same msg_id; QoS 0 is dropped while the link is down
+(store_qos0 = false) and counted; the counters match."""
 
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def _missing(
 
 
 def _check_backoff(log: str, initial: float, cap: float) -> None:
-    """Issue 6: "exponential backoff with jitter and a cap": attempt n waits min(cap, initial * 2^(n-1)) times a
-    factor in [0.5, 1] (docs/upstream.md), as logged."""
+    """Exponential backoff with jitter and a cap: attempt n waits min(cap, initial * 2^(n-1)) times a factor in [0.5, 1]
+    (docs/upstream.md, "Reconnect and liveness"), as logged."""
     delays = [(float(d), int(n)) for d, n in re.findall(r"reconnecting in ([\d.]+) s \(attempt (\d+)\)", log)]
     assert len(delays) >= 2, log
     for delay, attempt in delays:
@@ -99,9 +99,9 @@ def _check_backoff(log: str, initial: float, cap: float) -> None:
 
 
 def test_outage_every_acknowledged_message_arrives_in_order(make_broker, cloud: Mosquitto, uid: str) -> None:
-    """Issue 6: "the upstream Mosquitto is stopped for a while and restarted while publishers keep going: every
+    """When the upstream Mosquitto is stopped for a while and restarted while publishers keep going, every
     acknowledged QoS 1/2 message arrives after recovery, in order per topic; duplicates, if any, carry the same id;
-    QoS 0 behaves as configured; counters match what happened".
+    QoS 0 behaves as configured; the counters match what happened.
 
     The observing cloud subscriber (a persistent session) stays away from the restart until the gateway has
     drained: Mosquitto 2.0 itself may interleave a resuming session's queued messages with new ones, which would
@@ -168,7 +168,7 @@ def test_outage_every_acknowledged_message_arrives_in_order(make_broker, cloud: 
 
 
 def test_outage_plus_gateway_sigkill_loses_no_acknowledged_message(make_broker, cloud: Mosquitto, uid: str) -> None:
-    """Issue 6: "Outage plus gateway SIGKILL and restart during the outage: same guarantees" (DESIGN.md §4: the
+    """An outage plus a gateway SIGKILL and restart during the outage: the same guarantees (docs/upstream.md: the
     outbox row is committed with the publisher's acknowledgement, so kill -9 loses nothing acknowledged). The
     observer resumes its session after the drain, as in the test above."""
     gw: BrokerProcess = make_broker(_config(cloud.port))

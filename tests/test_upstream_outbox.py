@@ -1,4 +1,4 @@
-"""The upstream outbox in process (gateway/upstream/outbox.py; DESIGN.md §5, docs/upstream.md): a fake clock (plain
+"""The upstream outbox in process (gateway/upstream/outbox.py; docs/upstream.md, "The outbox"): a fake clock (plain
 floats passed as ``now``), a dict standing in for the store's outbox rows, no sockets, no sleeps.
 
 A "restart" is a new :class:`Outbox` over the same rows; the cloud is :class:`Peer`, which hands out Packet
@@ -426,8 +426,8 @@ def test_rules_and_loops() -> None:
 
 @pytest.mark.parametrize("module", ["outbox.py", "verdicts.py"])
 def test_outbox_module_does_no_io(module: str) -> None:
-    """Issue 14: outbox.py (and verdicts.py, which it asks) is sans-I/O: no asyncio, aiomqtt, paho, socket, lmdb or
-    time imports."""
+    """outbox.py (and verdicts.py, which it asks) is sans-I/O (docs/upstream.md, "How it is built"): no asyncio,
+    aiomqtt, paho, socket, lmdb or time imports."""
     tree = ast.parse((Path(ROOT) / "gateway" / "upstream" / module).read_text())
     imported: set[str] = set()
     for node in ast.walk(tree):

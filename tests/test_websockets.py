@@ -577,7 +577,7 @@ def test_connect_timeout_bounds_the_upgrade_and_the_connect(ws_broker: BrokerPro
 
 
 def test_websocket_clients_are_counted_like_tcp_clients_in_the_metrics(tmp_path: Path) -> None:
-    """Issue 18: WebSocket clients go through the same connection code as TCP ones, so Prometheus counts them the
+    """WebSocket clients go through the same connection code as TCP ones, so Prometheus counts them the
     same: ``edge_gateway_clients_connected{listener="ws"}`` and ``edge_gateway_connections_total``."""
     from test_metrics import metrics_port, scrape, value
 
