@@ -81,7 +81,7 @@ lint: venv
 # TEST_WORKERS=0 runs everything in one process.
 # The suite runs on the compiled MQTT codec (--core compiled fails at once if the install has none); then the
 # in-process codec, topic and core tests and the fuzzer's short run again on the codec's .py files (EDGE_GATEWAY_PURE=1,
-# gateway/native.py), so both stay correct: 743 tests, about 70 s more on 2 workers (measured while a qemu image test
+# gateway/native.py), so both stay correct: 743 tests, about 25 s more on 2 workers (70 s while a qemu image test
 # shared the 2 cores).
 TEST_WORKERS ?= 2
 PURE_TESTS := tests/test_codec_roundtrip.py tests/test_codec_vectors.py tests/test_codec_malformed.py tests/test_topics.py \
