@@ -5,8 +5,12 @@ Input: the wheel directory the first play of site.yml built for the controller (
 edge-gateway, its dependencies and the extra wheels). Output: a directory the target installs from without any
 package index, and ``target.json`` in it saying how:
 
-- pure-Python wheels (``*-none-any``: edge-gateway itself, aiomqtt, pymodbus, sdnotify built here from its sdist,
-  ...) are copied as they are: they run on every architecture;
+- pure-Python wheels (``*-none-any``: aiomqtt, pymodbus, sdnotify built here from its sdist, ...) are copied as
+  they are: they run on every architecture;
+- edge-gateway itself is a binary wheel when the controller compiled its MQTT codec (mypyc, setup.py): a target of
+  the controller's architecture and Python gets it as it is; any other gets the same wheel without the compiled
+  modules, whose .py files are the same code (gateway/native.py runs them; ``edge-gateway version --verbose`` says
+  ``core: pure Python``): it is never looked up on PyPI, where the name is not ours;
 - a binary wheel (lmdb, uvloop, crcmod-plus) is copied when the target has the controller's architecture and Python
   (the same-architecture path: nothing is downloaded), otherwise the same version is fetched for the target with
   ``pip download --no-deps --only-binary=:all: --platform manylinux_2_N_<machine>... --python-version X.Y``;
@@ -36,7 +40,7 @@ from pathlib import Path
 
 from packaging.utils import parse_wheel_filename
 
-RECIPE = 1  # bump when the rules below change: cached outputs are then rebuilt
+RECIPE = 2  # bump when the rules below change: cached outputs are then rebuilt
 # Debian architecture -> the machine in wheel platform tags (manylinux_2_17_aarch64, ...)
 MACHINES = {"amd64": "x86_64", "arm64": "aarch64", "armhf": "armv7l", "i386": "i686", "ppc64el": "ppc64le",
             "s390x": "s390x"}  # fmt: skip
@@ -129,6 +133,10 @@ def build(wheels: Path, out: Path, debian_arch: str, python: str, glibc: str, co
             name, version, _, _ = parse_wheel_filename(wheel.name)
             if _is_pure(wheel) or same:
                 shutil.copy2(wheel, tmp / wheel.name)
+                continue
+            if name == "edge-gateway":
+                built = _without_extension(wheel, tmp)
+                manifest["substitutes"][name] = f"{built.name} (its MQTT codec as Python: compiled for {controller[0]})"
                 continue
             if _download(name, str(version), machine, python, glibc, tmp) is not None:
                 continue

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from gateway import __version__
+from gateway import __version__, native
 from gateway.auth import passwd_cli
 from gateway.board_settings import cli as settings_cli
 from gateway.server.config import DEFAULT_BIND, ConfigError, GatewayConfig, read_config
@@ -101,6 +101,16 @@ def _read_config(path: str | None) -> GatewayConfig | None:
         for line in exc.errors:
             print(f"edge-gateway: {exc.source}: {line}", file=sys.stderr)
         return None
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    """``edge-gateway VERSION`` alone on its line, as ``--version`` prints it; with ``--verbose`` a second line says
+    how the MQTT codec runs: ``core: compiled (mypyc)`` or ``core: pure Python (<why>)`` (gateway/native.py;
+    ``EDGE_GATEWAY_PURE=1`` asks for the pure-Python one)."""
+    print(f"edge-gateway {__version__}")
+    if args.verbose:
+        print(f"core: {native.select().describe()}")
+    return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -353,8 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     passwd_cli.add_parser(sub)
     settings_cli.add_parser(sub)
     _add_update_parser(sub)
-    version = sub.add_parser("version", help="print the version")
-    version.set_defaults(func=lambda _a: print(f"edge-gateway {__version__}") or 0)
+    version = sub.add_parser("version", help="print the version (--verbose: and whether the MQTT codec runs compiled)")
+    version.add_argument("--verbose", "-v", action="store_true",
+                         help="a second line, 'core: compiled (mypyc)' or 'core: pure Python (<why>)'")
+    version.set_defaults(func=_cmd_version)
     return parser
 
 

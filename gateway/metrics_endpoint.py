@@ -79,7 +79,8 @@ class MetricsServer:
         address = parse_address(self.bind)
         self._httpd, self._thread = start_http_server(address.port, address.host, self.registry)
         host, port = self._httpd.server_address[:2]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        host = host.decode() if isinstance(host, bytes) else host  # str for the AF_INET/AF_INET6 servers used here
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def stop(self) -> None:
         """Stop serving and close the socket (waits for the thread, at most 2 s)."""

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("pipeline.cli").warning(
                 "--lookback is ignored: rebuilds read what came before the range from the seq_runs table"
             )
-        cfg = jobs.JobConfig(
+        job_cfg = jobs.JobConfig(
             landing=args.landing,
             tables=args.tables,
             lateness=args.lateness,
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             as_of=args.as_of,
         )
         spark = _spark(args)
-        stats = jobs.run(spark, cfg, args.stage, args.first, args.last)
+        stats = jobs.run(spark, job_cfg, args.stage, args.first, args.last)
         conf = spark.sparkContext.getConf()
         settings = {k: conf.get(k, None) for k in ("spark.master", "spark.sql.shuffle.partitions")}
         print(

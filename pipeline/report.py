@@ -77,10 +77,10 @@ def collect(spark: SparkSession, tables: str, first: dt.date, last: dt.date, ser
     # latency over the whole range (percentiles cannot be combined from daily ones)
     lat_rows = jobs.latency(readings.withColumn("date", F.lit(first))).collect()
     latency = [r.asDict() for r in sorted(lat_rows, key=lambda r: (r["gateway_id"], r["stage"]))]
-    for r in latency:
-        if r["stage"] == "end_to_end":
-            per_gw.setdefault(r["gateway_id"], {"gateway_id": r["gateway_id"]}).update(
-                e2e_p50=r["p50"], e2e_p99=r["p99"]
+    for lat in latency:
+        if lat["stage"] == "end_to_end":
+            per_gw.setdefault(lat["gateway_id"], {"gateway_id": lat["gateway_id"]}).update(
+                e2e_p50=lat["p50"], e2e_p99=lat["p99"]
             )
     gateways = [per_gw[k] for k in sorted(per_gw)]
     hourly = [
@@ -117,6 +117,9 @@ def collect(spark: SparkSession, tables: str, first: dt.date, last: dt.date, ser
         .collect()
     ]
     win = tbl.read_table(spark, tables, "windows", first, last)
+    gw: str | None
+    device: str | None
+    quantity: str | None
     if series:
         gw, device, quantity = series.split("/", 2)
     else:
@@ -148,10 +151,10 @@ def collect(spark: SparkSession, tables: str, first: dt.date, last: dt.date, ser
     _collect_silences(readings, data)
     for rows in (data.gateways, data.hourly, data.latency, data.series, data.missing_ranges, data.devices,
                  data.silences, data.latency_hourly):  # fmt: skip
-        for r in rows:
-            for k, v in r.items():
+        for row in rows:
+            for k, v in row.items():
                 if isinstance(v, dt.datetime):
-                    r[k] = _utc(v)
+                    row[k] = _utc(v)
     data.now = _utc(data.now) if data.now else None
     return data
 
@@ -299,9 +302,10 @@ def plots(data: ReportData) -> dict[str, str]:
     ax.barh([g["gateway_id"] for g in shown], pct, color=colors)
     low = min(pct, default=100.0)
     left = 0.0 if low < 50 else max(0.0, low - (100 - low) * 0.5 - 0.5)
-    for i, (p, g) in enumerate(zip(pct, shown)):
-        ax.text(left + (100 - left) * 0.01, i, f"{p:.2f}%   {g['missing']} missing, {g.get('reboots') or 0} reboots",
-                va="center", fontsize=7, color="white" if p - left > (100 - left) * 0.5 else "black")  # fmt: skip
+    for i, (share, gw_row) in enumerate(zip(pct, shown)):
+        ax.text(left + (100 - left) * 0.01, i,
+                f"{share:.2f}%   {gw_row['missing']} missing, {gw_row.get('reboots') or 0} reboots", va="center",
+                fontsize=7, color="white" if share - left > (100 - left) * 0.5 else "black")  # fmt: skip
     ax.set_xlim(left, 100)
     ax.invert_yaxis()
     ax.set_xlabel("readings received / expected from seq, closed hours (%)")

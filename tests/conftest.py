@@ -9,7 +9,30 @@ from collections.abc import Callable, Iterator
 import pytest
 from helpers import BrokerProcess
 
+from gateway import native
+
 _ids = itertools.count()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--core",
+        choices=("any", "compiled", "pure"),
+        default="any",
+        help="fail at once unless the MQTT codec runs this way: compiled (mypyc) or pure (its .py files; "
+        "EDGE_GATEWAY_PURE=1). make test runs the suite with --core compiled and the codec tests with --core pure.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    wanted = config.getoption("--core")
+    core = native.select()
+    if wanted != "any" and core.compiled != (wanted == "compiled"):
+        raise pytest.UsageError(f"--core {wanted}, but the MQTT codec runs {core.describe()}")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"edge-gateway MQTT codec: {native.select().describe()}"
 
 
 @pytest.fixture(scope="module")

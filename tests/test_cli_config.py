@@ -9,6 +9,7 @@ Connection.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from helpers import BrokerProcess, RawClient
 
-from gateway import __version__
+from gateway import __version__, native
 from gateway.mqtt.packets import Disconnect
 
 EDGE_GATEWAY = Path(sys.executable).parent / "edge-gateway"
@@ -340,3 +341,18 @@ def test_python_m_gateway_version(tmp_path: Path) -> None:
         assert result.returncode == 0
         assert result.stdout == f"edge-gateway {__version__}\n"
         assert result.stderr == ""
+
+
+def test_version_verbose_says_how_the_mqtt_codec_runs(tmp_path: Path) -> None:
+    """`edge-gateway version --verbose` (and `-v`): the version line as `version` prints it, then how the MQTT codec
+    runs (gateway/native.py): in this environment as in this process (`make test` runs with --core compiled), and
+    with ``EDGE_GATEWAY_PURE=1`` the .py files whatever the install holds."""
+    cases = ((dict(os.environ), native.select().describe()),
+             (os.environ | {native.PURE_ENV: "1"}, "pure Python (EDGE_GATEWAY_PURE=1)"))  # fmt: skip
+    for env, core in cases:
+        for flag in ("--verbose", "-v"):
+            result = subprocess.run([str(EDGE_GATEWAY), "version", flag], cwd=tmp_path, env=env, capture_output=True,
+                                    text=True, timeout=30)
+            assert result.returncode == 0, result.stderr
+            assert result.stdout == f"edge-gateway {__version__}\ncore: {core}\n"
+            assert result.stderr == ""

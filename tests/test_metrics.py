@@ -18,6 +18,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import __version__, native
+
 _METRICS = re.compile(r"metrics: Prometheus /metrics on http://(\S+):(\d+)/metrics")
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -154,6 +156,15 @@ def test_metrics_count_publishes_by_qos_and_packet_type(mbroker: BrokerProcess, 
     assert value(after, "process_resident_memory_bytes") > 0
     sub.close()
     pub.close()
+
+
+def test_metrics_build_info_says_how_the_codec_runs(mbroker: BrokerProcess) -> None:
+    """``edge_gateway_build_info`` carries the version and whether the MQTT codec runs compiled (gateway/native.py):
+    the broker runs from this install with this environment, so as this process does."""
+    core = native.select()
+    samples = scrape(metrics_port(mbroker))
+    labels = {"version": __version__, "core": "compiled" if core.compiled else "pure", "core_reason": core.reason}
+    assert value(samples, "edge_gateway_build_info", **labels) == 1.0
 
 
 def test_metrics_count_refused_connect_by_reason(mbroker: BrokerProcess, uid: str) -> None:

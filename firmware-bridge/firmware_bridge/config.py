@@ -569,15 +569,15 @@ def load_config(data: dict[str, Any], source: str = "<config>") -> BridgeConfig:
             v = c.int_(f"mqtt.{key}", mqtt[key], low, high)
             if v is not None:
                 setattr(m, key, v)
-    for key, low, high in (
+    for key, shortest, longest in (
         ("session_expiry", 0, 0xFFFFFFFF),
         ("reconnect_min", 0.01, 3600),
         ("reconnect_max", 0.01, 3600),
     ):
         if key in mqtt:
-            v = c.duration(f"mqtt.{key}", mqtt[key], low, high)
-            if v is not None:
-                setattr(m, key, v)
+            seconds = c.duration(f"mqtt.{key}", mqtt[key], shortest, longest)
+            if seconds is not None:
+                setattr(m, key, seconds)
     if m.reconnect_max < m.reconnect_min:
         c.errors.append("mqtt.reconnect_max must be >= mqtt.reconnect_min")
 

@@ -227,7 +227,8 @@ def parse_time(value: Any) -> str | None:
         if m:
             frac = (m.group(7) or "0")[:6].ljust(6, "0")
             try:
-                dt = datetime(*(int(m.group(i)) for i in range(1, 7)), int(frac), tzinfo=UTC)
+                year, month, day, hour, minute, second = (int(m.group(i)) for i in range(1, 7))
+                dt = datetime(year, month, day, hour, minute, second, int(frac), tzinfo=UTC)
             except ValueError as exc:
                 raise ValueError(f"'t' is not a valid time: {value!r}") from exc
             return format_time(dt)

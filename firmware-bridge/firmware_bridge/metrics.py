@@ -127,6 +127,7 @@ class BridgeCollector(Collector):
             readings.add_metric(row, dev["readings"])
             lost.add_metric(row, dev["lost"])
             reboots.add_metric(row, dev["reboots"])
-            if ages.get(name) is not None:
-                age.add_metric(row, ages[name])
+            seconds = ages.get(name)
+            if seconds is not None:
+                age.add_metric(row, seconds)
         yield from (readings, lost, reboots, age)

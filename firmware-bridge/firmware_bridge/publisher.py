@@ -352,7 +352,8 @@ class Publisher:
                 waker = asyncio.ensure_future(self._wakeup.wait())
                 try:
                     timeout = None if not self._stopping else max(0.0, self._drain_deadline - loop.time())
-                    await asyncio.wait({head, waker}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    first: set[asyncio.Future[Any]] = {head, waker}
+                    await asyncio.wait(first, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waker.cancel()
                 while inflight and inflight[0].done():

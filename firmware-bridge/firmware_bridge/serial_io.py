@@ -145,18 +145,19 @@ class SerialLink(PortLink):
             delay = 0.05
             closer = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait({protocol.lost, closer}, return_when=asyncio.FIRST_COMPLETED)
+                first: set[asyncio.Future[Any]] = {protocol.lost, closer}
+                await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 closer.cancel()
             if protocol.lost.done():
-                exc = protocol.lost.result()
+                lost = protocol.lost.result()
                 self.errors += 1
                 self._transport = None
                 self.decoder.reset()
                 if not self._closing:
-                    log.warning("port %s lost: %s; reopening", self.cfg.path, _reason(exc))
+                    log.warning("port %s lost: %s; reopening", self.cfg.path, _reason(lost))
                     failing = True
-                self._set_state("closed", _reason(exc))
+                self._set_state("closed", _reason(lost))
                 await self._sleep(delay)
             else:
                 await self._close_transport(protocol)

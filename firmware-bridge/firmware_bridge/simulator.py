@@ -24,6 +24,7 @@ import select
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from firmware_bridge.frames import (
     Command,
@@ -246,7 +247,8 @@ class SensorBoard:
                         self._answer(event)
 
     def _answer(self, cmd: Command) -> None:
-        ok, data, error = True, None, None
+        ok, error = True, None
+        data: dict[str, Any] | None = None
         if cmd.cmd == "ping":
             data = {"pong": True}
         elif cmd.cmd == "info":

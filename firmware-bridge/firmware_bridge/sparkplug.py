@@ -384,7 +384,7 @@ class EdgeNode:
             payload = decode(data)
         except ValueError as exc:
             return [self._refuse(device, None, "bad_payload", str(exc))]
-        by_alias = {m.alias: m for m in dev.metrics.values()}
+        by_alias: dict[int | None, _Metric] = {m.alias: m for m in dev.metrics.values()}
         out: list[Output] = []
         for cm in payload.metrics:
             m = dev.metrics.get(cm.name) if cm.name is not None else by_alias.get(cm.alias)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gateway.mqtt.errors import MalformedPacket, PacketTooLarge
-from gateway.mqtt.packets import CONNECT, MQTT_3_1_1, Packet, decode_packet
+from gateway.mqtt.packets import MQTT_3_1_1, Connect, Packet, decode_packet
 
 #: The largest packet MQTT can frame: 1 + 4 + 268,435,455 bytes (MQTT 5.0 §2.1.4).
 ABSOLUTE_MAX_PACKET_SIZE = 268_435_460
@@ -128,9 +128,9 @@ class PacketReader:
                     break
                 pos = stop
                 packet = decode_packet(first, buf[start:stop], self.version)
-                if (first >> 4) == CONNECT:
+                if isinstance(packet, Connect):
                     # 3 stays 3: MQTT 3.1 is decoded as 3.1.1 but for its fixed-header flags (decode_packet)
-                    self.version = packet.protocol_level  # type: ignore[union-attr]
+                    self.version = packet.protocol_level
                 yield packet
         finally:
             self._buf = buf[pos:] if pos < end else b""

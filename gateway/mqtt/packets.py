@@ -7,8 +7,7 @@ properties are dropped), 5 the 5.0 one. Sources: MQTT 3.1.1 §2-3, MQTT 5.0 §2-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from gateway.mqtt.errors import MalformedPacket, MQTTError, ProtocolError, UnsupportedProtocolVersion
 from gateway.mqtt.primitives import (
@@ -69,30 +68,72 @@ def _id_and_properties(packet_id: int, properties: Properties, version: int) -> 
     return body
 
 
-@dataclass(slots=True)
-class Will:
+class _Fields:
+    """Equality and ``repr`` over the fields a class lists in ``_FIELDS``, as a dataclass has them.
+
+    The packet classes are written out rather than made with ``@dataclass`` so that mypyc compiles them to native
+    classes with a compiled ``__init__`` (its dataclass support leaves the generated ``__init__`` interpreted, and
+    it counts a ``ClassVar`` such as ``TYPE`` as a field). Two objects are equal when they are of the same class and
+    their fields are equal; like a dataclass with ``eq=True``, they are not hashable.
+    """
+
+    __slots__ = ()
+    _FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
+        return f"{type(self).__qualname__}({fields})"
+
+
+class Will(_Fields):
     """The Will Message carried in a CONNECT (MQTT 5.0 §3.1.2.5, §3.1.3.2-3.1.3.4)."""
 
-    topic: str
-    payload: bytes = b""
-    qos: int = 0
-    retain: bool = False
-    properties: Properties = field(default_factory=dict)
+    __slots__ = ("payload", "properties", "qos", "retain", "topic")
+    _FIELDS: ClassVar[tuple[str, ...]] = ("topic", "payload", "qos", "retain", "properties")
+
+    def __init__(
+        self, topic: str, payload: bytes = b"", qos: int = 0, retain: bool = False, properties: Properties | None = None
+    ) -> None:
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        self.properties: Properties = {} if properties is None else properties
 
 
-@dataclass(slots=True)
-class Connect:
+class Connect(_Fields):
     """CONNECT (MQTT 5.0 §3.1, MQTT 3.1.1 §3.1). ``protocol_level`` is 3, 4 or 5; ``keep_alive`` in seconds."""
 
+    __slots__ = ("clean_start", "client_id", "keep_alive", "password", "properties", "protocol_level", "username",
+                 "will")  # fmt: skip
     TYPE: ClassVar[int] = CONNECT
-    client_id: str = ""
-    protocol_level: int = MQTT_3_1_1
-    clean_start: bool = True
-    keep_alive: int = 0
-    username: str | None = None
-    password: bytes | None = None
-    will: Will | None = None
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("client_id", "protocol_level", "clean_start", "keep_alive", "username",
+                                          "password", "will", "properties")  # fmt: skip
+
+    def __init__(
+        self,
+        client_id: str = "",
+        protocol_level: int = MQTT_3_1_1,
+        clean_start: bool = True,
+        keep_alive: int = 0,
+        username: str | None = None,
+        password: bytes | None = None,
+        will: Will | None = None,
+        properties: Properties | None = None,
+    ) -> None:
+        self.client_id = client_id
+        self.protocol_level = protocol_level
+        self.clean_start = clean_start
+        self.keep_alive = keep_alive
+        self.username = username
+        self.password = password
+        self.will = will
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int | None = None) -> bytes:
         level = self.protocol_level if version is None else version
@@ -124,17 +165,22 @@ class Connect:
         return _frame(0x10, bytes(body))
 
 
-@dataclass(slots=True)
-class Connack:
+class Connack(_Fields):
     """CONNACK (MQTT 5.0 §3.2, MQTT 3.1.1 §3.2).
 
     ``reason_code`` is the 5.0 reason code; for 3.1.1 pass the 3.1.1 return code (0-5).
     """
 
+    __slots__ = ("properties", "reason_code", "session_present")
     TYPE: ClassVar[int] = CONNACK
-    session_present: bool = False
-    reason_code: int = 0
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("session_present", "reason_code", "properties")
+
+    def __init__(
+        self, session_present: bool = False, reason_code: int = 0, properties: Properties | None = None
+    ) -> None:
+        self.session_present = session_present
+        self.reason_code = reason_code
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
         body = bytes((1 if self.session_present else 0, self.reason_code))
@@ -143,41 +189,59 @@ class Connack:
         return _frame(0x20, body)
 
 
-@dataclass(slots=True)
-class Publish:
+class Publish(_Fields):
     """PUBLISH (MQTT 5.0 §3.3, MQTT 3.1.1 §3.3). ``packet_id`` is ``None`` for QoS 0."""
 
+    __slots__ = ("dup", "packet_id", "payload", "properties", "qos", "retain", "topic")
     TYPE: ClassVar[int] = PUBLISH
-    topic: str
-    payload: bytes = b""
-    qos: int = 0
-    retain: bool = False
-    dup: bool = False
-    packet_id: int | None = None
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("topic", "payload", "qos", "retain", "dup", "packet_id", "properties")
+
+    def __init__(
+        self,
+        topic: str,
+        payload: bytes = b"",
+        qos: int = 0,
+        retain: bool = False,
+        dup: bool = False,
+        packet_id: int | None = None,
+        properties: Properties | None = None,
+    ) -> None:
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        self.dup = dup
+        self.packet_id = packet_id
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
+        """The whole packet. Raises :class:`ValueError` for QoS 1 or 2 without a Packet Identifier."""
         first = 0x30 | (self.qos << 1) | (0x08 if self.dup else 0) | (1 if self.retain else 0)
         topic = self.topic.encode("utf-8")
         body = bytearray(len(topic).to_bytes(2, "big"))
         body += topic
         if self.qos:
-            body += self.packet_id.to_bytes(2, "big")  # type: ignore[union-attr]
+            if self.packet_id is None:
+                raise ValueError(f"a QoS {self.qos} PUBLISH needs a Packet Identifier (MQTT 5.0 §3.3.2.2)")
+            body += self.packet_id.to_bytes(2, "big")
         if version == MQTT_5:
             body += encode_properties(self.properties)
         body += self.payload
         return _frame(first, bytes(body))
 
 
-@dataclass(slots=True)
-class _Ack:
+class _Ack(_Fields):
     """The shape shared by PUBACK, PUBREC, PUBREL and PUBCOMP (MQTT 5.0 §3.4-3.7)."""
 
+    __slots__ = ("packet_id", "properties", "reason_code")
     TYPE: ClassVar[int] = 0
     FLAGS: ClassVar[int] = 0
-    packet_id: int
-    reason_code: int = 0
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("packet_id", "reason_code", "properties")
+
+    def __init__(self, packet_id: int, reason_code: int = 0, properties: Properties | None = None) -> None:
+        self.packet_id = packet_id
+        self.reason_code = reason_code
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
         first = (self.TYPE << 4) | self.FLAGS
@@ -219,18 +283,28 @@ class PubComp(_Ack):
     TYPE: ClassVar[int] = PUBCOMP
 
 
-@dataclass(slots=True)
-class Subscription:
+class Subscription(_Fields):
     """One Topic Filter with its Subscription Options (MQTT 5.0 §3.8.3.1).
 
     ``retain_handling``: 0 send retained on subscribe, 1 only if the subscription is new, 2 never.
     """
 
-    topic_filter: str
-    qos: int = 0
-    no_local: bool = False
-    retain_as_published: bool = False
-    retain_handling: int = 0
+    __slots__ = ("no_local", "qos", "retain_as_published", "retain_handling", "topic_filter")
+    _FIELDS: ClassVar[tuple[str, ...]] = ("topic_filter", "qos", "no_local", "retain_as_published", "retain_handling")
+
+    def __init__(
+        self,
+        topic_filter: str,
+        qos: int = 0,
+        no_local: bool = False,
+        retain_as_published: bool = False,
+        retain_handling: int = 0,
+    ) -> None:
+        self.topic_filter = topic_filter
+        self.qos = qos
+        self.no_local = no_local
+        self.retain_as_published = retain_as_published
+        self.retain_handling = retain_handling
 
     def options_byte(self, version: int) -> int:
         if version != MQTT_5:
@@ -243,14 +317,19 @@ class Subscription:
         )
 
 
-@dataclass(slots=True)
-class Subscribe:
+class Subscribe(_Fields):
     """SUBSCRIBE (MQTT 5.0 §3.8, MQTT 3.1.1 §3.8); fixed header flags 0b0010."""
 
+    __slots__ = ("packet_id", "properties", "subscriptions")
     TYPE: ClassVar[int] = SUBSCRIBE
-    packet_id: int
-    subscriptions: list[Subscription] = field(default_factory=list)
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("packet_id", "subscriptions", "properties")
+
+    def __init__(
+        self, packet_id: int, subscriptions: list[Subscription] | None = None, properties: Properties | None = None
+    ) -> None:
+        self.packet_id = packet_id
+        self.subscriptions: list[Subscription] = [] if subscriptions is None else subscriptions
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
         body = _id_and_properties(self.packet_id, self.properties, version)
@@ -260,15 +339,20 @@ class Subscribe:
         return _frame(0x82, bytes(body))
 
 
-@dataclass(slots=True)
-class _CodesAck:
+class _CodesAck(_Fields):
     """The shape shared by SUBACK and UNSUBACK: Packet Identifier, properties (5.0) and one Reason Code per Topic
     Filter."""
 
+    __slots__ = ("packet_id", "properties", "reason_codes")
     TYPE: ClassVar[int] = 0
-    packet_id: int
-    reason_codes: list[int] = field(default_factory=list)
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("packet_id", "reason_codes", "properties")
+
+    def __init__(
+        self, packet_id: int, reason_codes: list[int] | None = None, properties: Properties | None = None
+    ) -> None:
+        self.packet_id = packet_id
+        self.reason_codes: list[int] = [] if reason_codes is None else reason_codes
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
         body = _id_and_properties(self.packet_id, self.properties, version)
@@ -290,14 +374,19 @@ class Suback(_CodesAck):
         return bytes(c if c < 0x80 else SUBACK_FAILURE_311 for c in self.reason_codes)
 
 
-@dataclass(slots=True)
-class Unsubscribe:
+class Unsubscribe(_Fields):
     """UNSUBSCRIBE (MQTT 5.0 §3.10, MQTT 3.1.1 §3.10); fixed header flags 0b0010."""
 
+    __slots__ = ("packet_id", "properties", "topic_filters")
     TYPE: ClassVar[int] = UNSUBSCRIBE
-    packet_id: int
-    topic_filters: list[str] = field(default_factory=list)
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("packet_id", "topic_filters", "properties")
+
+    def __init__(
+        self, packet_id: int, topic_filters: list[str] | None = None, properties: Properties | None = None
+    ) -> None:
+        self.packet_id = packet_id
+        self.topic_filters: list[str] = [] if topic_filters is None else topic_filters
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
         body = _id_and_properties(self.packet_id, self.properties, version)
@@ -313,33 +402,36 @@ class Unsuback(_CodesAck):
     TYPE: ClassVar[int] = UNSUBACK
 
 
-@dataclass(slots=True)
-class PingReq:
+class PingReq(_Fields):
     """PINGREQ (MQTT 5.0 §3.12)."""
 
+    __slots__ = ()
     TYPE: ClassVar[int] = PINGREQ
 
     def encode(self, version: int = MQTT_5) -> bytes:
         return b"\xc0\x00"
 
 
-@dataclass(slots=True)
-class PingResp:
+class PingResp(_Fields):
     """PINGRESP (MQTT 5.0 §3.13)."""
 
+    __slots__ = ()
     TYPE: ClassVar[int] = PINGRESP
 
     def encode(self, version: int = MQTT_5) -> bytes:
         return b"\xd0\x00"
 
 
-@dataclass(slots=True)
-class Disconnect:
+class Disconnect(_Fields):
     """DISCONNECT (MQTT 5.0 §3.14, MQTT 3.1.1 §3.14); reason code and properties exist in 5.0 only."""
 
+    __slots__ = ("properties", "reason_code")
     TYPE: ClassVar[int] = DISCONNECT
-    reason_code: int = 0
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("reason_code", "properties")
+
+    def __init__(self, reason_code: int = 0, properties: Properties | None = None) -> None:
+        self.reason_code = reason_code
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int) -> bytes:
         if version != MQTT_5 or (self.reason_code == 0 and not self.properties):
@@ -349,13 +441,16 @@ class Disconnect:
         return _frame(0xE0, bytes((self.reason_code,)) + encode_properties(self.properties))
 
 
-@dataclass(slots=True)
-class Auth:
+class Auth(_Fields):
     """AUTH (MQTT 5.0 §3.15), 5.0 only."""
 
+    __slots__ = ("properties", "reason_code")
     TYPE: ClassVar[int] = AUTH
-    reason_code: int = 0
-    properties: Properties = field(default_factory=dict)
+    _FIELDS: ClassVar[tuple[str, ...]] = ("reason_code", "properties")
+
+    def __init__(self, reason_code: int = 0, properties: Properties | None = None) -> None:
+        self.reason_code = reason_code
+        self.properties: Properties = {} if properties is None else properties
 
     def encode(self, version: int = MQTT_5) -> bytes:
         if self.reason_code == 0 and not self.properties:
@@ -382,6 +477,8 @@ Packet = (
 )
 
 # ---------------------------------------------------------------------------------------------- decoding
+
+_AckT = TypeVar("_AckT", bound=_Ack)
 
 #: Fixed header flag nibble each packet type must carry (MQTT 5.0 §2.1.3, [MQTT-2.1.3-1]); PUBLISH varies.
 _REQUIRED_FLAGS = {t: 0 for t in range(1, 16)}
@@ -499,7 +596,7 @@ def _decode_publish(flags: int, body: bytes, version: int) -> Publish:
     return Publish(topic, body[pos:], qos, bool(flags & 1), dup, packet_id, props)
 
 
-def _decode_ack(cls: type[_Ack], body: bytes, version: int) -> _Ack:
+def _decode_ack(cls: type[_AckT], body: bytes, version: int) -> _AckT:
     packet_id, pos = decode_u16(body, 0)
     if not packet_id:
         raise MalformedPacket(f"{PACKET_NAMES[cls.TYPE]} with Packet Identifier 0 [MQTT-2.2.1-3]")
@@ -631,13 +728,13 @@ def decode_packet(first_byte: int, body: bytes, version: int) -> Packet:
         rule = "MQTT 3.1 §2.1" if version == MQTT_3_1 else "[MQTT-2.1.3-1]"
         raise MalformedPacket(f"{PACKET_NAMES[ptype]} with invalid fixed header flags 0x{flags:X} {rule}")
     if ptype == PUBACK:
-        return _decode_ack(PubAck, body, version)  # type: ignore[return-value]
+        return _decode_ack(PubAck, body, version)
     if ptype == PUBREC:
-        return _decode_ack(PubRec, body, version)  # type: ignore[return-value]
+        return _decode_ack(PubRec, body, version)
     if ptype == PUBREL:
-        return _decode_ack(PubRel, body, version)  # type: ignore[return-value]
+        return _decode_ack(PubRel, body, version)
     if ptype == PUBCOMP:
-        return _decode_ack(PubComp, body, version)  # type: ignore[return-value]
+        return _decode_ack(PubComp, body, version)
     if ptype == CONNECT:
         return _decode_connect(body)
     if ptype == SUBSCRIBE:

@@ -23,7 +23,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from gateway import __version__
+from gateway import __version__, native
 from gateway.metrics_endpoint import call_on_loop
 from gateway.mqtt.packets import PACKET_NAMES
 from gateway.store.writer import FSYNC_BUCKETS
@@ -188,7 +188,7 @@ class BrokerCollector(Collector):
 
 
 def _counter(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
-             rows: dict[Any, float] | None = None) -> CounterMetricFamily:
+             rows: Mapping[Any, float] | None = None) -> CounterMetricFamily:
     """A counter family; ``rows`` maps a label value (or tuple of values) to its value."""
     family = CounterMetricFamily(name, doc, value=value, labels=labels)
     for key, v in (rows or {}).items():
@@ -197,7 +197,7 @@ def _counter(name: str, doc: str, value: float | None = None, labels: list[str] 
 
 
 def _gauge(name: str, doc: str, value: float | None = None, labels: list[str] | None = None,
-           rows: dict[Any, float] | None = None) -> GaugeMetricFamily:
+           rows: Mapping[Any, float] | None = None) -> GaugeMetricFamily:
     """A gauge family; ``rows`` maps a label value (or tuple of values) to its value."""
     family = GaugeMetricFamily(name, doc, value=value, labels=labels)
     for key, v in (rows or {}).items():
@@ -211,8 +211,11 @@ def _packet_name(ptype: int) -> str:
 
 def _broker_families(s: Snapshot) -> Iterator[Metric]:
     p = "edge_gateway_"
-    info = InfoMetricFamily(p + "build", "The gateway's version.")
-    info.add_metric([], {"version": __version__})
+    info = InfoMetricFamily(p + "build", "The gateway's version, and whether its MQTT codec runs compiled by mypyc "
+                            "(core=\"compiled\") or as Python source (core=\"pure\", core_reason says why).")
+    core = native.select()
+    info.add_metric([], {"version": __version__, "core": "compiled" if core.compiled else "pure",
+                         "core_reason": core.reason})
     yield info
     yield _gauge(p + "start_time_seconds", "When the broker started, Unix time in seconds.", s.started_at)
     # connections

@@ -127,9 +127,15 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             io.perform(broker.store_change_failed(client_ids, time.time()))  # before that commit's barrier
 
         # The commit reports, as inputs of the core: it emits the acknowledgements held under the barriers.
+        def committed(barrier: int) -> None:
+            io.perform(broker.committed(barrier, time.time()))
+
+        def failed(barrier: int, full: bool) -> None:
+            io.perform(broker.failed(barrier, full, time.time()))
+
         lmdb_store.on_change_failed = change_failed
-        lmdb_store.on_committed = lambda barrier: io.perform(broker.committed(barrier, time.time()))
-        lmdb_store.on_failed = lambda barrier, full: io.perform(broker.failed(barrier, full, time.time()))
+        lmdb_store.on_committed = committed
+        lmdb_store.on_failed = failed
     upstream: UpstreamBridge | None = None
     if config.upstreams:
         # Imported only when configured: aiomqtt and paho cost ~2 MiB of RSS on a broker without uplinks.
@@ -138,6 +144,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         upstream = UpstreamBridge(config.upstreams, broker, io.perform)
         upstream.attach(time.time())  # outbox loaded and forwarders hooked in before any client can publish
     servers: list[asyncio.AbstractServer] = []
+    server: asyncio.AbstractServer
     tls_listeners: dict[str, TlsListener] = {}
     try:
         for listener in config.listeners:
@@ -160,8 +167,10 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                         if listener.protocol == "websockets":
                             def wss(accepted_at: float, lc=listener) -> WebSocketProtocol:  # type: ignore[no-untyped-def]
                                 return WebSocketProtocol(io, lc.limits, lc.name, lc.path, accepted_at)
-                        tls = TlsListener(io, build_server_context(listener.tls), listener.name, listener.limits,
-                                          wss)
+                        # Not abstract in use: it serves from start(); the runner calls neither start_serving
+                        # nor serve_forever, which it leaves abstract (asyncio.AbstractServer's raise as well)
+                        tls = TlsListener(io, build_server_context(listener.tls), listener.name,  # type: ignore[abstract]
+                                          listener.limits, wss)
                         tls_listeners[listener.name] = tls
                         sockets: Any = await tls.start(host, port)
                         server = tls

@@ -44,6 +44,7 @@ from websockets.frames import BINARY, CONT, TEXT, Frame
 from websockets.http11 import Request
 from websockets.protocol import CLOSED, CONNECTING, OPEN
 from websockets.server import ServerProtocol
+from websockets.typing import Subprotocol
 
 from gateway.auth.tls import peer_common_name
 from gateway.broker.limits import ZoneLimits
@@ -73,8 +74,9 @@ def select_subprotocol(offered: Sequence[str]) -> str | None:
     return None
 
 
-def _select(_protocol: ServerProtocol, offered: Sequence[str]) -> str | None:
-    return select_subprotocol(offered)
+def _select(_protocol: ServerProtocol, offered: Sequence[Subprotocol]) -> Subprotocol | None:
+    chosen = select_subprotocol(offered)
+    return None if chosen is None else Subprotocol(chosen)
 
 
 class WebSocketTransport:
@@ -206,7 +208,7 @@ class WebSocketProtocol(asyncio.Protocol):
             if type(event) is Frame:
                 opcode = event.opcode
                 if opcode is BINARY or opcode is CONT:
-                    chunks.append(event.data)
+                    chunks.append(bytes(event.data))  # bytes already: the same object, no copy
                 elif opcode is TEXT:
                     # MQTT-6.0.0-1: packets come in binary frames; any other data frame closes the connection
                     self._deliver(chunks)

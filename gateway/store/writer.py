@@ -516,9 +516,9 @@ class LmdbWriter:
                 continue
             child.commit()
         self.failed_changes += len(skipped)
-        for op, exc in skipped:
+        for op, error in skipped:
             log.critical("store: a change was left out of a commit, the rest of its batch committed: %s (%s: %s)",
-                         _describe(op, self.tables), type(exc).__name__, exc)
+                         _describe(op, self.tables), type(error).__name__, error)
 
     def _take_skipped(self) -> tuple[set[bytes], set[str]] | None:
         """The owners of the changes the last commit left out, or None: key parts of their client ids (resolved on

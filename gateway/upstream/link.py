@@ -55,7 +55,7 @@ CONNECTING, CONNECTED, BACKING_OFF, STOPPED = "connecting", "connected", "backin
 
 #: paho's attribute names of the message properties that cross the link both ways (``FORWARDED_PROPERTIES``, the
 #: Message Expiry Interval and User Properties).
-_PAHO_NAMES = {
+_PAHO_NAMES: dict[int, str] = {
     P.PAYLOAD_FORMAT_INDICATOR: "PayloadFormatIndicator",
     P.CONTENT_TYPE: "ContentType",
     P.RESPONSE_TOPIC: "ResponseTopic",
@@ -113,9 +113,10 @@ class _Connection:
         self.disconnect_reason: int | None = None  # the Reason Code of a DISCONNECT the cloud sent, if it sent one
         self.closed_early: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._on_ack = on_ack
-        self._aiomqtt_on_connect = self.paho.on_connect
-        self._aiomqtt_on_disconnect = self.paho.on_disconnect
-        self._aiomqtt_on_publish = self.paho.on_publish
+        # paho's callback attributes are typed for either of its callback API versions; aiomqtt's are VERSION2.
+        self._aiomqtt_on_connect: Callable[..., Any] | None = self.paho.on_connect
+        self._aiomqtt_on_disconnect: Callable[..., Any] | None = self.paho.on_disconnect
+        self._aiomqtt_on_publish: Callable[..., Any] | None = self.paho.on_publish
         self.paho.on_connect = self._on_connect
         self.paho.on_disconnect = self._on_disconnect
         self.paho.on_publish = self._on_publish
@@ -143,8 +144,9 @@ class _Connection:
         """Connect (aiomqtt's ``__aenter__``: TCP, TLS, CONNECT, CONNACK within ``connect_timeout``); raise
         ``aiomqtt.MqttError`` as soon as the peer closes before CONNACK."""
         enter = asyncio.ensure_future(self.client.__aenter__())
+        first: set[asyncio.Future[Any]] = {enter, self.closed_early}
         try:
-            await asyncio.wait({enter, self.closed_early}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             enter.cancel()
             raise

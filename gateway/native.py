@@ -1,0 +1,133 @@
+"""Which MQTT codec runs: the modules of gateway/mqtt compiled by mypyc, or the same .py files interpreted.
+
+setup.py compiles gateway/mqtt next to its .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
+``packets.py``, plus the shared library ``_core__mypyc``) and records the SHA-256 of each source it compiled in
+``_core__mypyc.sources``. Python's import system prefers an extension module to a .py file of the same name, so the
+compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt`` package is imported) makes the .py
+files run instead when
+
+- ``EDGE_GATEWAY_PURE=1`` is set (the pure-Python codec from the same install, e.g. to compare or to test it),
+- there are no compiled modules (an install without a C compiler, or built with ``EDGE_GATEWAY_BUILD_PURE=1``),
+- a .py file differs from the source its module was compiled from (an edited checkout not yet rebuilt:
+  ``make venv`` rebuilds), or the shared library does not load.
+
+:data:`CORE` says which one was chosen and why: ``edge-gateway version --verbose`` and the ``edge_gateway_build`` info
+metric show it. docs/compiled.md describes the build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+#: The environment variable that asks for the pure-Python codec ("1").
+PURE_ENV = "EDGE_GATEWAY_PURE"
+#: The modules setup.py compiles (its COMPILED list).
+COMPILED_MODULES = tuple(
+    f"gateway.mqtt.{name}"
+    for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")
+)
+#: The shared library the compiled modules' stubs load, and the record of the sources it was compiled from.
+SHARED_LIBRARY = "gateway.mqtt._core__mypyc"
+SOURCES_RECORD = "_core__mypyc.sources"
+
+_MQTT_DIR = Path(__file__).resolve().parent / "mqtt"
+
+
+class Core:
+    """The codec in use: ``compiled`` is True for mypyc's modules; ``reason`` says why the .py files run otherwise."""
+
+    __slots__ = ("compiled", "reason")
+
+    def __init__(self, compiled: bool, reason: str) -> None:
+        self.compiled = compiled
+        self.reason = reason
+
+    def describe(self) -> str:
+        """One line for people: ``compiled (mypyc)`` or ``pure Python (<reason>)``."""
+        return "compiled (mypyc)" if self.compiled else f"pure Python ({self.reason})"
+
+
+#: Set by :func:`select`; ``None`` until then.
+CORE: Core | None = None
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Finds the .py file of each compiled module, ahead of the extension module beside it."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in COMPILED_MODULES:
+            return None
+        source = _MQTT_DIR / (fullname.rpartition(".")[2] + ".py")
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def _extension(name: str) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = _MQTT_DIR / (name + suffix)
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _why_not_compiled() -> str | None:
+    """Why the compiled modules cannot run, or ``None`` when they can."""
+    if os.environ.get(PURE_ENV) == "1":
+        return f"{PURE_ENV}=1"
+    if _extension("_core__mypyc") is None:
+        return "no compiled modules in this install"
+    record = _MQTT_DIR / SOURCES_RECORD
+    try:
+        compiled_from = dict(line.split() for line in record.read_text().splitlines() if line.strip())
+    except (OSError, ValueError):
+        return f"no valid {SOURCES_RECORD} beside the compiled modules"
+    for module in COMPILED_MODULES:
+        name = module.rpartition(".")[2]
+        source = _MQTT_DIR / (name + ".py")
+        if _extension(name) is None:
+            return f"{name} was not compiled"
+        if compiled_from.get(source.name) != _sha256(source):
+            return f"{source.name} changed since it was compiled: `make venv` rebuilds"
+    try:
+        importlib.import_module(SHARED_LIBRARY)
+    except ImportError as exc:
+        return f"the compiled modules do not load: {exc}"
+    return None
+
+
+_CHOOSING = Core(False, "being chosen")
+
+
+def select() -> Core:
+    """Choose the codec before any module of gateway/mqtt is imported (idempotent); returns :data:`CORE`.
+
+    gateway/mqtt/__init__.py calls it; so do the places that report the choice. Loading the shared library to
+    check it imports the ``gateway.mqtt`` package, whose call here then returns at once."""
+    global CORE
+    if CORE is not None:
+        return CORE
+    CORE = _CHOOSING
+    loaded = [m for m in COMPILED_MODULES if m in sys.modules]
+    if loaded:  # too late to choose: say what is there
+        file = getattr(sys.modules[loaded[0]], "__file__", "") or ""
+        compiled = not file.endswith(".py")
+        CORE = Core(compiled, "" if compiled else "imported before gateway.native could choose")
+        return CORE
+    reason = _why_not_compiled()
+    if reason is not None:
+        sys.meta_path.insert(0, _SourceFinder())
+    CORE = Core(reason is None, reason or "")
+    return CORE

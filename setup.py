@@ -1,0 +1,112 @@
+"""Compiles the MQTT codec (gateway/mqtt) to C extension modules with mypyc, from the same .py files.
+
+pyproject.toml holds the project's metadata; this file only adds the extension modules. The compiled modules sit
+next to their .py files (gateway/mqtt/packets.cpython-311-*.so) with one shared library
+(gateway/mqtt/_core__mypyc.*.so), in a wheel and in place for ``pip install -e`` alike; gateway/native.py decides
+at import time which of the two runs (``EDGE_GATEWAY_PURE=1``: the .py files). docs/compiled.md says more.
+
+mypyc comes with mypy, which the build environment holds when ``EDGE_GATEWAY_COMPILE=1`` asks for it
+(build_backend/edge_gateway_build.py) or, without build isolation, when the environment has it. Without mypy, without
+a C compiler, or with ``EDGE_GATEWAY_BUILD_PURE=1`` the build warns why (pip shows it) and installs the
+pure-Python package: nothing but speed depends on the compiled modules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+#: The modules mypyc compiles (gateway/mqtt/__init__.py stays a plain package file); gateway/native.py lists the
+#: same modules as COMPILED_MODULES.
+COMPILED = [f"gateway/mqtt/{name}.py" for name in
+            ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")]  # fmt: skip
+#: The name of the shared library the modules' own extension stubs load: inside the package, not at the top level.
+GROUP = "gateway.mqtt._core"
+
+
+def _say(message: str) -> None:
+    # A warning rather than a line on stderr: pip shows a build backend's warnings, and its output only with -v.
+    warnings.warn(f"edge-gateway build: {message}", stacklevel=2)
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that falls back to the pure-Python package when the C compiler is missing or fails.
+
+    A failure leaves no compiled module behind (a stub without its shared library would not import), so the
+    install is either all compiled or all pure.
+    """
+
+    def run(self) -> None:
+        if not self.extensions:
+            return
+        try:
+            super().run()
+        except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
+            _say(f"compiling gateway/mqtt failed ({type(exc).__name__}: {exc}); installing the pure-Python code")
+            self._remove_outputs()
+            return
+        # What gateway/native.py compares with the .py files beside the modules: an edited source makes it run the
+        # .py files until the next build instead of stale compiled code.
+        record = Path(self.get_ext_fullpath(GROUP + "__mypyc")).with_name("_core__mypyc.sources")
+        record.write_text("".join(f"{Path(path).name} {digest}\n" for path, digest in sorted(SOURCES.items())))
+
+    def build_extension(self, ext: Any) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            _say(f"compiling {ext.name} failed ({type(exc).__name__}: {exc})")
+            raise
+
+    def _remove_outputs(self) -> None:
+        for ext in self.extensions:
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)  # in place for `pip install -e`
+        Path(self.get_ext_fullpath(GROUP + "__mypyc")).with_name("_core__mypyc.sources").unlink(missing_ok=True)
+        self.extensions = []
+
+
+#: SHA-256 of each compiled source as mypyc read it, by path.
+SOURCES: dict[str, str] = {}
+
+
+def _extensions() -> list[Any]:
+    if os.environ.get("EDGE_GATEWAY_BUILD_PURE") == "1":
+        _say("EDGE_GATEWAY_BUILD_PURE=1: installing the pure-Python code")
+        return []
+    try:
+        from mypyc.build import include_dir, mypycify
+    except ImportError as exc:
+        _say(f"mypyc is not in this build environment ({exc}); installing the pure-Python code "
+             "(EDGE_GATEWAY_COMPILE=1 has pip fetch mypy for the build: docs/compiled.md)")
+        return []
+    SOURCES.update({path: hashlib.sha256((HERE / path).read_bytes()).hexdigest() for path in COMPILED})
+    cwd = os.getcwd()
+    os.chdir(HERE)  # mypycify takes paths relative to the project and writes its C sources under build/
+    try:
+        extensions = list(mypycify(["--strict", *COMPILED], opt_level="3", group_name=GROUP, target_dir="build/mypyc"))
+    except SystemExit as exc:  # mypyc exits on a type error: the .py files are the source, so this is a bug
+        raise SystemExit(f"edge-gateway build: mypyc refused gateway/mqtt ({exc.code}): see `make lint`") from None
+    finally:
+        os.chdir(cwd)
+    # The same source gives the same bytes (ansible/site.yml's wheels; an unchanged board reports changed=0): the
+    # debug information names the project's directory and mypyc's runtime in the build environment, which pip
+    # makes anew under a random name for every build, so both are written as fixed names.
+    prefix_maps = [f"-ffile-prefix-map={HERE}=.", f"-ffile-prefix-map={include_dir()}=mypyc/lib-rt"]
+    for ext in extensions:
+        ext.extra_compile_args = [*ext.extra_compile_args, *prefix_maps]
+    return extensions
+
+
+# Only the commands that build code need the C sources (pip's metadata hooks run this file too).
+_BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+setup(
+    ext_modules=_extensions() if _BUILDS & set(sys.argv[1:]) else [],
+    cmdclass={"build_ext": OptionalBuildExt},
+)

@@ -1,0 +1,107 @@
+"""The compiled MQTT codec and its pure-Python fallback from the same install (gateway/native.py, setup.py):
+``EDGE_GATEWAY_PURE=1`` runs the .py files, the default runs mypyc's modules when the install has them, and an
+edited .py file is never shadowed by a module compiled from its older text."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gateway import native
+
+ROOT = Path(__file__).resolve().parent.parent
+# Prints how the codec runs and the file each codec module was loaded from.
+PROBE = """
+import importlib, gateway.native as n
+print(n.select().describe())
+for m in n.COMPILED_MODULES:
+    print(importlib.import_module(m).__file__)
+"""
+
+
+def _probe(env: dict[str, str], cwd: Path, pythonpath: Path | None = None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (native.PURE_ENV, "PYTHONPATH")} | env
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def _compiled_install() -> None:
+    if not native.select().compiled:
+        pytest.skip(f"this install's codec is {native.select().describe()} (make test runs with --core compiled)")
+
+
+def test_pure_env_runs_the_py_files_of_the_same_install(tmp_path: Path) -> None:
+    """EDGE_GATEWAY_PURE=1: every codec module is loaded from its .py file, whatever the install holds."""
+    core, *files = _probe({native.PURE_ENV: "1"}, tmp_path)
+    assert core == "pure Python (EDGE_GATEWAY_PURE=1)"
+    assert len(files) == len(native.COMPILED_MODULES)
+    assert all(f.endswith(".py") for f in files), files
+
+
+def test_default_runs_the_compiled_modules_as_native_classes(tmp_path: Path) -> None:
+    """Without the variable a compiled install loads mypyc's extension modules, and the hot classes are native:
+    fixed attributes, typed fields checked on assignment."""
+    _compiled_install()
+    core, *files = _probe({}, tmp_path)
+    assert core == "compiled (mypyc)"
+    assert all(f.endswith(".so") for f in files), files
+    from gateway.mqtt.framing import PacketReader
+    from gateway.mqtt.packets import Publish
+
+    p = Publish("a/b", b"x", 1, packet_id=7)
+    with pytest.raises(AttributeError):
+        p.extra = 1  # type: ignore[attr-defined]  # the point: a native class has no room for it
+    with pytest.raises(TypeError):
+        p.qos = "1"  # type: ignore[assignment]  # the point: the field's type is checked at run time
+    assert not hasattr(PacketReader(), "__dict__")
+
+
+def test_an_edited_source_runs_as_python_until_rebuilt(tmp_path: Path) -> None:
+    """A copy of the compiled package runs compiled; once a .py file in it changes, the copy runs every codec module
+    from its .py files and says which file changed (a checkout edited after `make venv`)."""
+    _compiled_install()
+    copy = tmp_path / "site"
+    shutil.copytree(ROOT / "gateway", copy / "gateway", ignore=shutil.ignore_patterns("__pycache__"))
+    core, *_ = _probe({}, tmp_path, pythonpath=copy)
+    assert core == "compiled (mypyc)"
+    with (copy / "gateway" / "mqtt" / "topics.py").open("a") as f:
+        f.write("\n# edited\n")
+    core, *files = _probe({}, tmp_path, pythonpath=copy)
+    assert core == "pure Python (topics.py changed since it was compiled: `make venv` rebuilds)"
+    assert all(f.startswith(str(copy)) and f.endswith(".py") for f in files), files
+
+
+def _build_backend() -> ModuleType:
+    path = ROOT / "build_backend" / "edge_gateway_build.py"
+    spec = importlib.util.spec_from_file_location("edge_gateway_build", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_build_asks_for_mypy_only_when_compiling_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_backend/: mypy joins the build requirements with EDGE_GATEWAY_COMPILE=1 only (a build that cannot fetch
+    it installs the pure-Python codec), not with EDGE_GATEWAY_BUILD_PURE=1 as well, and it is the mypy of the [test]
+    extra, which `make lint` type-checks the codec with."""
+    backend = _build_backend()
+    for compile_, pure, expected in (("1", None, [backend.MYPY]), (None, None, []), ("1", "1", []), ("0", None, [])):
+        for name, value in ((backend.COMPILE_ENV, compile_), ("EDGE_GATEWAY_BUILD_PURE", pure)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert backend._compile_requires() == expected, (compile_, pure)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [r for r in extras["test"] if r.startswith("mypy")] == [backend.MYPY]
