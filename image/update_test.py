@@ -231,11 +231,12 @@ def ssh(port: int, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ssh", "-p", str(port), *options, *args], capture_output=True, text=True, timeout=120)
 
 
-def playbook(work: Path, ssh_port: int, key: Path, bundle: Path, more_hosts: tuple[str, ...]) -> \
+def playbook(work: Path, ssh_port: int, key: Path, bundle: Path, more_hosts: tuple[str, ...], scale: int = 1) -> \
         subprocess.CompletedProcess[str]:
     """ansible/update.yml from this host, as an operator's laptop runs it: the VM as gateway gw-field-07 (over the
     forwarded SSH port, the operator account and its key), then ``more_hosts``, one gateway a batch. A further host
-    is 127.0.0.1 on a port nobody listens on: a rollout that reached it would fail there as unreachable."""
+    is 127.0.0.1 on a port nobody listens on: a rollout that reached it would fail there as unreachable. ``scale``
+    multiplies the playbook's wait for a reboot (``update_boot_timeout``, 1500 s) as it does the test's limits."""
     hosts: dict[str, dict[str, object]] = {"gw-field-07": {"ansible_host": "127.0.0.1", "ansible_port": ssh_port}}
     for name in more_hosts:
         hosts[name] = {"ansible_host": "127.0.0.1", "ansible_port": free_port()}
@@ -247,9 +248,10 @@ def playbook(work: Path, ssh_port: int, key: Path, bundle: Path, more_hosts: tup
            "ANSIBLE_HOME": str(work / "ansible-home"), "ANSIBLE_LOCAL_TEMP": str(work / "ansible-tmp"),
            "ANSIBLE_NOCOLOR": "1"}
     argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory),
-            str(ROOT / "ansible" / "update.yml"), "-e", f"update_bundle={bundle}", "-e", "update_batch=1"]
+            str(ROOT / "ansible" / "update.yml"), "-e", f"update_bundle={bundle}", "-e", "update_batch=1",
+            "-e", f"update_boot_timeout={1500 * scale}"]
     log(f"ansible-playbook update.yml, bundle {bundle.name}, gateways {', '.join(hosts)}")
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=5400)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=5400 * scale)
     for line in proc.stdout.splitlines():
         if line.startswith(("TASK", "PLAY", "fatal", "failed", "gw-")) or line.lstrip().startswith("msg:") \
                 or "changed:" in line[:12]:
@@ -320,7 +322,7 @@ def main() -> int:
     def push(vm: Vm, name: str, *more_hosts: str) -> subprocess.CompletedProcess[str]:
         """ansible/update.yml with the bundle ``name`` to the VM (and ``more_hosts``, later in the rollout)."""
         return playbook(work, vm.ssh_port, key, work / f"edge-gateway-{versions[name]}-{args.arch}.raucb",
-                        more_hosts)
+                        more_hosts, arch.scale)
 
     def expect(line: str, *parts: str) -> None:
         for part in parts:
