@@ -46,6 +46,10 @@ class QoS1Pair:
         self.received: set[int] = set()
         self.acked: set[int] = set()
         self.refused: list[tuple[int, Any]] = []
+        #: What happened to the two connections, for the failure message: ("pub"/"sub", "connect"/"disconnect",
+        #: reason, seconds since start).
+        self.events: list[tuple[str, str, str, float]] = []
+        self._t0 = time.monotonic()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._subscribed = threading.Event()
@@ -60,8 +64,16 @@ class QoS1Pair:
         self.pub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-pub", **kw)
         self.pub.max_inflight_messages_set(max_inflight)
         self.pub.on_publish = self._on_publish
+        self.pub.on_connect = lambda c, u, f, reason, p: self._event("pub", "connect", reason)
+        for who, client in (("pub", self.pub), ("sub", self.sub)):
+            client.on_disconnect = lambda c, u, f, reason, p, who=who: self._event(who, "disconnect", reason)
+
+    def _event(self, who: str, what: str, reason: Any) -> None:
+        with self._lock:
+            self.events.append((who, what, str(reason), round(time.monotonic() - self._t0, 2)))
 
     def _on_sub_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        self._event("sub", "connect", reason)
         client.subscribe(self.topic, qos=1)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
@@ -122,6 +134,7 @@ class QoS1Pair:
         with self._lock:
             lost = sorted(self.acked - self.received)
             unacked = self.count - len(self.acked)
-        assert not lost, f"{self.name}: {len(lost)} acknowledged messages never arrived: {lost[:20]}"
-        assert not self.refused, f"{self.name}: the broker refused bystander messages: {self.refused[:5]}"
-        assert unacked == 0, f"{self.name}: {unacked} of {self.count} messages were never acknowledged"
+            events = f"; connections: {self.events[:20]}"
+        assert not lost, f"{self.name}: {len(lost)} acknowledged messages never arrived: {lost[:20]}{events}"
+        assert not self.refused, f"{self.name}: the broker refused bystander messages: {self.refused[:5]}{events}"
+        assert unacked == 0, f"{self.name}: {unacked} of {self.count} messages were never acknowledged{events}"

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import BrokerProcess
+from helpers import STARTED, BrokerProcess
 
 from gateway import native
 
@@ -33,6 +33,31 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"edge-gateway MQTT codec: {native.select().describe()}"
+
+
+_first_broker = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Remember which brokers this test starts; forget the module's brokers after its last test."""
+    item.stash[_first_broker] = len(STARTED)
+    yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        del STARTED[:]  # the module's brokers are stopped: forget them
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failing test's report ends with the last lines of each broker it started or that still runs (a module
+    fixture's): a failure seen only on a loaded CI machine can then be read from the CI log."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when == "call":
+        first = item.stash.get(_first_broker, 0)
+        for i, proc in enumerate(STARTED):
+            if i >= first or (proc.proc is not None and proc.proc.poll() is None):
+                report.sections.append((f"broker {i} log (last 150 lines)", "\n".join(proc.lines[-150:])))
 
 
 @pytest.fixture(scope="module")

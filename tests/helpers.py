@@ -44,6 +44,10 @@ def wait_until(
         time.sleep(interval)
 
 
+#: Every broker a test started, in order: a failing test's report shows the logs of those it started (conftest).
+STARTED: list[BrokerProcess] = []
+
+
 class BrokerProcess:
     """``edge-gateway serve`` in a subprocess. ``ports`` maps listener name -> bound port."""
 
@@ -70,6 +74,7 @@ class BrokerProcess:
             cmd += ["--config", str(self.config_path)]
         self.proc = subprocess.Popen(cmd, cwd=self.workdir, env=self.env, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
+        STARTED.append(self)
         self.ports = {}
         ready = threading.Event()
 

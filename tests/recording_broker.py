@@ -42,6 +42,9 @@ class RecordingBroker(Broker):
     def pause_over(self, conn: Connection, now: float) -> list[Action]:
         return self._keep(super().pause_over(conn, now))
 
+    def release(self, conn: Connection, now: float) -> list[Action]:
+        return self._keep(super().release(conn, now))
+
     def connection_lost(self, conn: Connection, now: float) -> list[Action]:
         return self._keep(super().connection_lost(conn, now))
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from recording_broker import RecordingBroker
 
+from gateway.broker.actions import UNTIL_RELEASED
 from gateway.broker.broker import Broker
 from gateway.broker.connection_states import CLOSED, CONNECTED
 from gateway.broker.limits import BrokerSettings, ZoneLimits
@@ -460,6 +461,51 @@ def test_mqtt_3_3_4_7_more_than_receive_maximum_qos2_awaiting_pubrel_is_0x93() -
     packets = pub.read()
     assert packets[:2] == [PubRec(1), PubRec(2)]
     assert isinstance(packets[2], Disconnect) and packets[2].reason_code == RC.RECEIVE_MAXIMUM_EXCEEDED
+    assert pub.conn.state == CLOSED
+
+
+def test_a_3_1_1_publisher_at_max_awaiting_rel_waits_for_its_commits_and_is_never_disconnected() -> None:
+    """3.1.1 has no Receive Maximum for a client to exceed (MQTT 5.0 §3.3.4 is 5.0's): a 3.1.1 client sends 6 QoS 1
+    PUBLISHes and a PINGREQ in one read with ``max_awaiting_rel`` 3. Three await their commit; the 4th waits with
+    the bytes after it, and the action pauses reading :data:`UNTIL_RELEASED` (Keep Alive suspended meanwhile).
+    The commit acknowledges the first 3, :meth:`Broker.holds_back` says no more, :meth:`Broker.release` goes on
+    with the 4th to 6th and the PINGREQ; the next commit acknowledges them. All 6 in order, one pause counted, no
+    disconnect; Keep Alive counts again from the end of the pause."""
+    broker, store = changelog_broker()
+    subscribed(broker, store, "sub", persistent=True).disconnect()
+    store.take()
+    pub = Client(broker, 4, ZoneLimits(max_awaiting_rel=3))
+    pub.connect("pub", keep_alive=10)
+    pub.send_bytes(b"".join(Publish("t", b"%d" % i, qos=1, packet_id=i).encode(4) for i in range(1, 7))
+                   + PingReq().encode(4), now=1.0)
+    assert pub.read() == [] and pub.conn.inbound_pending == 3
+    assert broker.actions[-1].conn is pub.conn and broker.actions[-1].pause_until == UNTIL_RELEASED
+    assert broker.holds_back(pub.conn)
+    broker.tick(100.0)  # long past 1.5 x Keep Alive, but the broker was not reading
+    assert pub.conn.state == CONNECTED and broker.holds_back(pub.conn)
+    store.commit()
+    assert [(type(p), p.packet_id) for p in pub.read()] == [(PubAck, 1), (PubAck, 2), (PubAck, 3)]
+    assert not broker.holds_back(pub.conn)
+    broker.release(pub.conn, 100.0)
+    assert pub.read() == [PingResp()] and pub.conn.inbound_pending == 3  # the PUBACKs wait for the next commit
+    store.commit()
+    assert [(type(p), p.packet_id) for p in pub.read()] == [(PubAck, 4), (PubAck, 5), (PubAck, 6)]
+    assert broker.stats.refused["max_awaiting_rel"] == 1 and broker.release(pub.conn, 100.0) == []
+    broker.tick(114.0)
+    assert pub.conn.state == CONNECTED
+    broker.tick(116.0)  # 1.5 x 10 s after the pause ended
+    assert pub.conn.state == CLOSED
+
+
+def test_a_3_1_1_client_at_max_awaiting_rel_with_only_qos2_awaiting_pubrel_is_closed() -> None:
+    """With nothing awaiting a commit, only the client's PUBRELs could make room, and they come after the PUBLISH
+    it sent: waiting would never end, so the connection is closed (3.1.1 has no DISCONNECT from the server)."""
+    broker = make_broker()
+    pub = Client(broker, 4, ZoneLimits(max_awaiting_rel=2))
+    pub.connect("pub")
+    for pid in (1, 2, 3):
+        pub.send(Publish("t", b"x", qos=2, packet_id=pid))
+    assert pub.read() == [PubRec(1), PubRec(2)]
     assert pub.conn.state == CLOSED
 
 

@@ -349,6 +349,43 @@ def test_mqtt_3_3_4_9_disconnect_0x93_is_read_by_a_client_still_writing(make_bro
     pair.finish()
 
 
+def test_a_3_1_1_burst_past_max_awaiting_rel_is_flow_controlled_not_disconnected(make_broker: MakeBroker,
+                                                                                 uid: str) -> None:
+    """A 3.1.1 client (no Receive Maximum to follow, as paho re-sending its whole backlog after a reconnect) writes
+    300 QoS 1 PUBLISHes at once to a persistent subscriber's topic, with ``max_awaiting_rel`` 10: the broker stops
+    reading while 10 await their commit and goes on as commits acknowledge them. All 300 are acknowledged in order
+    on the same connection and delivered; the pauses are counted in ``$SYS/broker/refused/max_awaiting_rel``; a
+    QoS1Pair beside it loses nothing."""
+    broker = make_broker(CONFIG + "max_awaiting_rel = 10\n")
+    pair = QoS1Pair(broker.port, uid, max_inflight=8).start()
+    sub = RawClient(broker.port)
+    assert sub.connect(f"{uid}-keeper", clean_start=False).reason_code == 0
+    sub.send(Subscribe(1, [Subscription(f"{uid}/burst", 1)]))
+    assert isinstance(sub.recv(), Suback)
+    sub.close()
+    client = RawClient(broker.port)
+    assert client.connect(f"{uid}-burst").reason_code == 0
+    client.sock.sendall(b"".join(Publish(f"{uid}/burst", b"%d" % i, 1, packet_id=i).encode(4)
+                                 for i in range(1, 301)))
+    acks = [client.recv(10) for _ in range(300)]
+    assert [(type(a), a.packet_id) for a in acks] == [(PubAck, i) for i in range(1, 301)]
+    assert not client.closed_by_server(0.2)
+    client.close()
+    paused = sys_value(broker.port, "refused/max_awaiting_rel", until=lambda n: n > 0)
+    assert paused is not None and paused > 0
+    sub = RawClient(broker.port)
+    assert sub.connect(f"{uid}-keeper", clean_start=False).session_present
+    got = []
+    for _ in range(300):
+        packet = sub.recv(10)
+        assert isinstance(packet, Publish) and packet.packet_id is not None, packet
+        got.append(int(packet.payload))
+        sub.send(PubAck(packet.packet_id))
+    assert got == list(range(1, 301))
+    sub.close()
+    pair.finish()
+
+
 def rss_anon_mib(broker: BrokerProcess) -> float:
     """The broker's anonymous resident memory, MiB (RssAnon: without LMDB's file-backed map)."""
     assert broker.proc is not None

@@ -248,6 +248,9 @@ class Broker(BrokerState):
         connection closed."""
         packet, kept = conn.take_deferred()
         waiting = kept + data if kept else data
+        if conn.paused_until == UNTIL_RELEASED:  # it waited for room under max_awaiting_rel (3.1.1)
+            conn.paused_until = now  # Keep Alive counts again, from the end of the pause
+            self.deadlines.refile(conn, next_check(conn, now))
         try:
             inbound.on_publish(self, conn, packet, now)
         except MQTTError as exc:
@@ -278,10 +281,31 @@ class Broker(BrokerState):
         return [*actions, Action(conn, [], conn.closing, conn.close_reason, pause, more)]
 
     def holds_back(self, conn: Connection) -> bool:
-        """Whether reading from ``conn``, paused :data:`UNTIL_RELEASED`, must stay paused: some consumer is still
-        congested and ``conn`` is not one of them (a congested consumer's acknowledgements must get through)."""
+        """Whether reading from ``conn``, paused :data:`UNTIL_RELEASED`, must stay paused: a 3.1.1 PUBLISH waits
+        for room under ``max_awaiting_rel`` and a commit can still make it
+        (:func:`~gateway.broker.inbound.wait_for_acknowledgements`), or some consumer is still congested and
+        ``conn`` is not one of them (a congested consumer's acknowledgements must get through). When it says no,
+        :meth:`release` goes on."""
+        if conn.state == CLOSED:
+            return False
+        if conn.paused_until == UNTIL_RELEASED:
+            session = conn.session
+            pending = conn.inbound_pending
+            return bool(pending) and session is not None and (
+                pending + len(session.awaiting_rel) >= conn.limits.max_awaiting_rel
+            )
         congested = self.congested
-        return bool(congested) and conn.session not in congested and conn.state != CLOSED
+        return bool(congested) and conn.session not in congested
+
+    def release(self, conn: Connection, now: float) -> list[Action]:
+        """Reading from ``conn``, paused :data:`UNTIL_RELEASED`, goes on (:meth:`holds_back` said no): the PUBLISH
+        that waited for room under ``max_awaiting_rel``, if any, then the bytes read after it; the actions
+        (possibly paused again), as :meth:`receive`."""
+        if conn.deferred is None or conn.paused_until != UNTIL_RELEASED:
+            return NO_ACTIONS
+        published = self.stats.publish_received
+        self._receive(conn, b"", now)
+        return self._read_actions(conn, published)
 
     def pause_over(self, conn: Connection, now: float) -> list[Action]:
         """The ``max_publish_rate`` pause of ``conn`` passed (its action's ``pause_until``): the PUBLISH that

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.broker.actions import UNTIL_RELEASED
 from gateway.broker.barriers import ACK_PUBACK, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
@@ -34,12 +35,14 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     """PUBLISH ``p`` from ``conn``'s client (``CONNECTED``), at ``now`` (wall-clock seconds). Statements: MQTT 5.0's
     numbering.
 
-    Checks, in order: the ``max_publish_rate`` token (none left: the PUBLISH waits, ``conn.paused_until``), the
-    Topic Alias (set or resolved, per connection; beyond the maximum [MQTT-3.3.2-9]: Protocol Error), no
-    Subscription Identifier from a client [MQTT-3.3.4-6], the Topic Name [MQTT-3.3.2-1] [MQTT-4.7.3-1] and the
-    Response Topic [MQTT-3.3.2-14], Receive Maximum (one QoS 1/2 PUBLISH too many: DISCONNECT 0x93
-    [MQTT-3.3.4-7]), ``$SYS`` and the write ACL (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` /
-    ``max_topic_length`` (0x90), store room for persistent work (0x97; 3.1.1: no acknowledgement, disconnect).
+    Checks, in order: 3.1.1's room under ``max_awaiting_rel`` while some QoS 1/2 PUBLISHes await their commit
+    (none: the PUBLISH waits, :func:`wait_for_acknowledgements`), the ``max_publish_rate`` token (none left: the
+    PUBLISH waits, ``conn.paused_until``), the Topic Alias (set or resolved, per connection; beyond the maximum
+    [MQTT-3.3.2-9]: Protocol Error), no Subscription Identifier from a client [MQTT-3.3.4-6], the Topic Name
+    [MQTT-3.3.2-1] [MQTT-4.7.3-1] and the Response Topic [MQTT-3.3.2-14], Receive Maximum (one QoS 1/2 PUBLISH
+    too many: DISCONNECT 0x93 [MQTT-3.3.4-7]), ``$SYS`` and the write ACL (5.0 QoS 1/2: 0x87; else dropped),
+    ``max_topic_levels`` / ``max_topic_length`` (0x90), store room for persistent work (0x97; 3.1.1: no
+    acknowledgement, disconnect).
     The steps: :func:`spend_publish_token`, :func:`_topic_alias_and_properties` (5.0 with properties),
     :func:`_refused`, :func:`_retain` (RETAIN=1), then the Message routed and acknowledged per QoS.
 
@@ -52,6 +55,16 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     session = conn.session
     assert session is not None
     limits = conn.limits
+    qos = p.qos
+    if (
+        qos
+        and conn.inbound_pending + len(session.awaiting_rel) >= limits.max_awaiting_rel
+        and conn.inbound_pending
+        and conn.version != MQTT_5
+        and not (qos == 2 and p.packet_id in session.awaiting_rel)  # a repeat takes no room
+    ):
+        wait_for_acknowledgements(core, conn, p, now)
+        return
     rate = limits.max_publish_rate
     if rate and not spend_publish_token(core, conn, p, rate, now):
         return  # waits for its token (conn.deferred)
@@ -62,7 +75,6 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
         topic, props = _topic_alias_and_properties(conn, topic, props)
     if not topic:
         require_topic(topic, "PUBLISH Topic Name (with no Topic Alias, MQTT-3.3.2-1)")
-    qos = p.qos
     pid = p.packet_id
     stats = core.stats
     stats.publish_received += 1
@@ -111,6 +123,23 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             conn.inbound_pending += 1
     else:
         received(core, conn, session, p, message, now)
+
+
+def wait_for_acknowledgements(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:
+    """A 3.1.1 client has ``max_awaiting_rel`` QoS 1/2 PUBLISHes unacknowledged, some of them only until their
+    commit: ``p`` waits (``conn.deferred``, with the bytes after it) and reading from the connection stops
+    (``conn.paused_until`` = :data:`~gateway.broker.actions.UNTIL_RELEASED`, Keep Alive suspended) until a commit
+    acknowledges one (``Broker.holds_back``, ``Broker.release``). 3.1.1 has no Receive Maximum to exceed
+    (MQTT 5.0 §3.3.4 is 5.0's), so this is flow control, as TCP's: never a disconnect, nothing lost. Each pause
+    is counted (``$SYS/broker/refused/max_awaiting_rel``) and logged at most once a minute per address. With
+    nothing left to commit and the QoS 2 ones alone at the limit, only the client's PUBRELs could free room: the
+    PUBLISH is handled then, and the connection closed as a 5.0 client's is (0x93)."""
+    core.stats.refused["max_awaiting_rel"] += 1
+    core.rlog.info(now, peer_host(conn.peer), "max_awaiting_rel",
+                   "%s (%s): max_awaiting_rel = %d QoS 1/2 PUBLISH awaiting acknowledgement; reading paused until "
+                   "they are committed", conn.peer, conn.client_id, conn.limits.max_awaiting_rel)
+    conn.paused_until = UNTIL_RELEASED
+    conn.defer(p)
 
 
 def _topic_alias_and_properties(conn: Connection, topic: str, props: dict[int, Any]) -> tuple[str, dict[int, Any]]:

@@ -186,16 +186,30 @@ class BrokerIO:
             transport.close()
 
     def release_throttled(self) -> None:
-        """Resume reading from paused publishers once the core no longer holds them back (no consumer is
-        congested, or the paused connection is itself a congested consumer: its acknowledgements must get
-        through)."""
-        holds_back = self.broker.holds_back
+        """Resume reading from publishers paused :data:`UNTIL_RELEASED` once the core no longer holds them back
+        (:meth:`Broker.holds_back`: a commit made room under ``max_awaiting_rel``; no consumer is congested, or the
+        paused connection is itself a congested consumer: its acknowledgements must get through), after what
+        waited in the core (:meth:`Broker.release`)."""
+        broker = self.broker
         for conn in list(self.throttled):
-            if not holds_back(conn):
-                self.throttled.discard(conn)
-                transport = self.transports.get(conn)
-                if transport is not None and not transport.is_closing() and conn not in self.rate_paused:
-                    transport.resume_reading()
+            if broker.holds_back(conn):
+                continue
+            self.throttled.discard(conn)
+            transport = self.transports.get(conn)
+            if transport is None or transport.is_closing():
+                continue
+            try:
+                # A PUBLISH that waited for room under max_awaiting_rel goes first, then the bytes after it.
+                now = time.time()
+                if self.perform(broker.release(conn, now), conn):
+                    while self.perform(broker.resume(conn, now), conn):
+                        pass
+            except Exception:
+                log.exception("internal error while handling %s; closing that connection", conn)
+                transport.close()
+                continue
+            if conn not in self.throttled and conn not in self.rate_paused and not transport.is_closing():
+                transport.resume_reading()
 
     def start_ticker(self, interval: float = 1.0) -> None:
         """Start the one task that runs all broker deadlines (Keep Alive, expiry, retries, $SYS)."""
