@@ -629,7 +629,8 @@ def main() -> int:
         if args.power_cuts:
             log(f"the disk is kept for a look: {work}")
         return 1
-    log(f"{len(CHECKS)} passed, 0 failed" + (f"; {len(cuts)} power cuts, nothing acknowledged lost" if cuts else ""))
+    cut_s = f"{len(cuts)} power cut{'' if len(cuts) == 1 else 's'}"
+    log(f"{len(CHECKS)} passed, 0 failed" + (f"; {cut_s}, nothing acknowledged lost" if cuts else ""))
     return 0
 
 

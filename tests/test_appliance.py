@@ -607,7 +607,8 @@ def test_gateway_image_boots_supervises_the_services_and_survives_power_cuts() -
     trip works, firmware-bridge is active and publishes the simulator's readings from a pty, a broker hung with
     kill -STOP is killed by the watchdog and restarted, and the bridge survives that restart.
 
-    Power cuts (README, "Power cuts"): then 3 times, a publisher on this host sends numbered QoS 1 messages through
+    Power cut (README, "Power cuts"; ``make image-test`` alone makes 3, ``make image-powercut`` 20; one here keeps
+    ``make test`` within its time): then a publisher on this host sends numbered QoS 1 messages through
     qemu's hostfwd (127.0.0.1 only) for an offline persistent session (clean_session=0), qemu is SIGKILLed mid-stream
     (the disk file with cache=writeback: the guest's flushes reach it as fdatasync, counted with strace), the VM boots
     again from the same disk, the store opens (clean or quarantined), the broker is active, and every acknowledged
@@ -617,7 +618,7 @@ def test_gateway_image_boots_supervises_the_services_and_survives_power_cuts() -
     proc = subprocess.run(
         ["make", "--no-print-directory", "image-test", "ARCH=amd64"],
         cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k not in ("IMAGE_POWER_CUTS", "IMAGE_TEST_ARGS")},
+        env={**{k: v for k, v in os.environ.items() if k != "IMAGE_TEST_ARGS"}, "IMAGE_POWER_CUTS": "1"},
         capture_output=True,
         text=True,
         timeout=2350,
@@ -636,15 +637,15 @@ def test_gateway_image_boots_supervises_the_services_and_survives_power_cuts() -
         assert f"edge-gateway-probe: PASS {check}" in out
     assert "edge-gateway-probe: FAIL" not in out
     cuts = re.findall(
-        r"power cut (\d)/3: SIGKILL of qemu after \d+ acknowledged: (\d+) published, (\d+) acknowledged; qemu flushed "
+        r"power cut (\d)/1: SIGKILL of qemu after \d+ acknowledged: (\d+) published, (\d+) acknowledged; qemu flushed "
         r"the disk file (\d+) times",
         out,
     )
-    assert [int(n) for n, *_ in cuts] == [1, 2, 3], out[-6000:]
+    assert [int(n) for n, *_ in cuts] == [1], out[-6000:]
     for _, published, acked, flushes in cuts:
         assert 50 <= int(acked) <= int(published) and int(flushes) > 0
-    delivered = re.findall(r"power cut (\d)/3: rebooted in \d+ s, STORE (clean|quarantined); .* lost: (\d+)$", out,
+    delivered = re.findall(r"power cut (\d)/1: rebooted in \d+ s, STORE (clean|quarantined); .* lost: (\d+)$", out,
                            re.MULTILINE)  # fmt: skip
-    assert [(n, lost) for n, _, lost in delivered] == [("1", "0"), ("2", "0"), ("3", "0")], out[-6000:]
-    assert re.search(r"power cuts: 3 of 3, \d+ acknowledged, 0 lost", out), out[-6000:]
-    assert "image-test: 6 passed, 0 failed; 3 power cuts, nothing acknowledged lost" in out
+    assert [(n, lost) for n, _, lost in delivered] == [("1", "0")], out[-6000:]
+    assert re.search(r"power cuts: 1 of 1, \d+ acknowledged, 0 lost", out), out[-6000:]
+    assert "image-test: 6 passed, 0 failed; 1 power cut, nothing acknowledged lost" in out
