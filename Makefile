@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools u-boot-qemu u-boot-tools \
 	qemu-system-arm dosfstools mtools fdisk
 
-.PHONY: demo test test-cluster test-cross lint venv compiler deps clean bench soak fuzz image image-test image-powercut image-deps bundle image-update-test
+.PHONY: demo test test-cluster test-cross lint venv compiler deps clean bench cloadgen soak fuzz image image-test image-powercut image-deps bundle image-update-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -104,7 +104,17 @@ $(AMQTT_VENV)/.installed:
 	$(AMQTT_VENV)/bin/pip install -q --upgrade pip
 	$(AMQTT_VENV)/bin/pip install -q 'amqtt==$(AMQTT_VERSION)' && touch $@ || echo "amqtt not installed: its cells will say n/a"
 
-bench: venv deps $(AMQTT_VENV)/.installed
+# The idle-connection load generator in C (bench/cloadgen/cloadgen.c, docs/benchmarks.md "The C load generator"):
+# bench/loadgen.py's Python opener was the limit of Mosquitto's connect rate. libc only; gcc comes with `compiler`.
+CLOADGEN := bench/cloadgen/cloadgen
+CLOADGEN_CFLAGS := -std=c11 -O2 -Wall -Wextra
+$(CLOADGEN): bench/cloadgen/cloadgen.c
+	@command -v gcc >/dev/null || $(MAKE) --no-print-directory compiler
+	gcc $(CLOADGEN_CFLAGS) -o $@ $<
+
+cloadgen: $(CLOADGEN)
+
+bench: venv deps $(AMQTT_VENV)/.installed $(CLOADGEN)
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 	$(BIN)/python bench/ws_fanin.py  # QoS 0 fan-in over WebSockets beside Mosquitto's websockets listener (~1 min)
 	$(BIN)/python bench/lander_rate.py  # the fleet lander's rate (MQTT -> landing files) beside the gateway's forwarded rate (~1 min)
@@ -197,4 +207,4 @@ image-powercut: image
 	IMAGE_ARCH=$(ARCH) IMAGE_POWER_CUTS=$(RUNS) image/boot-test.sh
 
 clean:
-	rm -rf $(VENV) var .pytest_cache
+	rm -rf $(VENV) var .pytest_cache $(CLOADGEN)
