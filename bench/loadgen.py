@@ -31,6 +31,7 @@ import selectors
 import socket
 import ssl
 import struct
+import subprocess
 import sys
 import time
 import traceback
@@ -833,6 +834,57 @@ def run_idle(target: Target, n: int, ctl: Control, out: Any, name: str, keep_ali
     out.put(("done", name, {"closed": len(held)}))
 
 
+# The same opener in C (bench/cloadgen/cloadgen.c, built by `make cloadgen`): this Python one is the limit of
+# Mosquitto's connect rate on one core (docs/benchmarks.md, "The C load generator").
+CLOADGEN = Path(__file__).resolve().parent / "cloadgen" / "cloadgen"
+
+
+def cloadgen_binary() -> str | None:
+    """The C idle-connection generator's path when it is built, else None."""
+    return str(CLOADGEN) if os.access(CLOADGEN, os.X_OK) else None
+
+
+def run_idle_c(target: Target, n: int, ctl: Control, out: Any, name: str, keep_alive: int = 60,
+               concurrency: int = 64) -> None:
+    """:func:`run_idle` done by the C generator: the same CONNECT (3.1.1, Clean Session 1, user name
+    :data:`USERNAME`), the same limit of ``concurrency`` handshakes at a time, the same ``connected`` report
+    (``cpu_s`` is the C process's own CPU over ``elapsed``). This worker checks the target, starts the program
+    (it inherits this process's core), waits for ``ctl.release`` and closes its stdin, which resets every
+    connection.
+
+    Raises:
+        TargetError: as :func:`check_target`.
+        RuntimeError: the program is not built, or exited without its report.
+    """
+    check_target(target)
+    exe = cloadgen_binary()
+    if exe is None:
+        raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
+    timeout = max(1.0, ctl.deadline - time.monotonic())
+    cmd = [exe, "idle", "--host", HOST, "--port", str(target.port), "--connections", str(n), "--concurrency",
+           str(concurrency), "--keep-alive", str(keep_alive), "--username", USERNAME, "--client-id-prefix",
+           f"idle-{os.getpid()}-", "--timeout", f"{timeout:.1f}"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            _, err = proc.communicate(timeout=10)
+            raise RuntimeError(f"cloadgen exited with {proc.returncode} before its report: {err.strip()}")
+        r = json.loads(line)
+        out.put(("connected", name, r))
+        ctl.release.wait(max(0.0, ctl.deadline - time.monotonic()))
+        rest, err = proc.communicate(input="", timeout=30)  # stdin closed: the program resets its connections
+        done = json.loads(rest.splitlines()[0]) if rest.strip() else {}
+        if proc.returncode != 0 or not done:
+            raise RuntimeError(f"cloadgen exited with {proc.returncode}: {err.strip()}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out.put(("done", name, done))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the do-nothing sink (and source)
 
@@ -1150,6 +1202,34 @@ class Sink:
         return totals
 
 
+class CSink:
+    """The C do-nothing sink (``cloadgen sink``) on ``cpu``: CONNACK for every CONNECT, nothing else. Its ceiling
+    is the C generator's: a Python sink would be the limit instead. ``target`` is safe to hand to workers."""
+
+    def __init__(self, cpu: int | None = None) -> None:
+        exe = cloadgen_binary()
+        if exe is None:
+            raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
+        cmd = [exe, "sink"] + (["--cpu", str(cpu)] if cpu is not None and cpu < (os.cpu_count() or 1) else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.kill()
+            raise RuntimeError(f"the C sink did not start: {self.proc.communicate()[1].strip()}")
+        self.target = Target(json.loads(line)["port"], self.proc.pid, os.getpid(), "cloadgen sink")
+
+    def stop(self) -> dict[str, int]:
+        try:
+            rest, _ = self.proc.communicate(input="", timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return {}
+        return json.loads(rest.splitlines()[0]) if rest.strip() else {}
+
+
 def merge_subscribers(reports: dict[str, Any]) -> dict[str, Any]:
     """Add up the per-subscriber tallies of every subscriber worker."""
     subs = [s for r in reports.values() for s in r["subscribers"]]
@@ -1249,26 +1329,38 @@ def _check_subscribe(qos: int, pubs: int, per_pub: int, subscribers: int, pin: b
             "acks_at_sink": totals.get("acks", -1), "rate": m["received"] / elapsed}
 
 
-def _check_connect(n: int, pin: bool) -> dict[str, Any]:
-    sink = Sink(cpu=BROKER_CPU if pin else None)
+def _check_connect(n: int, pin: bool, c_generator: bool = False) -> dict[str, Any]:
+    """The idle opener against a do-nothing sink: :func:`run_idle` against the Python sink, or with
+    ``c_generator`` :func:`run_idle_c` against the C sink (a Python sink would bound the C generator)."""
+    cpu = BROKER_CPU if pin else None
+    sink: Sink | CSink = CSink(cpu=cpu) if c_generator else Sink(cpu=cpu)
     w = Workers(60)
     try:
-        name = w.spawn(run_idle, sink.target, n, w.ctl)
+        before = core_times()
+        name = w.spawn(run_idle_c if c_generator else run_idle, sink.target, n, w.ctl)
         r = w.collect("connected", [name], 60)[name]
+        after = core_times()
         w.ctl.release.set()
         w.collect("done", [name], 30)
     finally:
         w.close()
-        sink.stop()
-    return {"connected": r["connected"], "failed": r["failed"], "rate": r["connected"] / max(1e-9, r["elapsed"])}
+        totals = sink.stop()
+    res = {"connected": r["connected"], "failed": r["failed"], "rate": r["connected"] / max(1e-9, r["elapsed"])}
+    if c_generator:
+        # which side was the limit: the generator's own CPU over its run, and both cores' busy share (the
+        # kernel's handshake work is split between them)
+        res.update({"generator_cpu": r["cpu_s"] / max(1e-9, r["elapsed"]), "sink_connacks": totals.get("connacks", -1),
+                    "core_busy": {c: round(busy_fraction(before, after, c), 3) for c in sorted(after)}})
+    return res
 
 
 def self_check(seconds: float = 2.0, pin: bool = True, faults: bool = False, connections: int = 2000,
-               only: set[str] | None = None) -> dict[str, Any]:
+               only: set[str] | None = None, c_generator: bool = False) -> dict[str, Any]:
     """Measure the load generator's ceiling against the do-nothing sink and verify its counting.
 
     Publisher checks run for ``seconds``; subscriber checks get a fixed stream sized to take about that long at
-    300k messages/s. Returns a dict of checks, each with ``rate`` (messages/s, or connections/s).
+    300k messages/s. Returns a dict of checks, each with ``rate`` (messages/s, or connections/s). ``connect_c``
+    (the C generator against the C sink) runs with ``c_generator`` or when ``only`` names it.
     """
     if pin:
         _pin(LOADGEN_CPU)
@@ -1280,8 +1372,10 @@ def self_check(seconds: float = 2.0, pin: bool = True, faults: bool = False, con
         "subscribe_qos1": lambda: _check_subscribe(1, 4, per // 8, 1, pin, faults, seconds),
         "subscribe_fanout": lambda: _check_subscribe(0, 1, max(200, per // 50), 50, pin, False, seconds),
         "connect": lambda: _check_connect(connections, pin),
+        "connect_c": lambda: _check_connect(connections, pin, c_generator=True),
     }
-    return {name: fn() for name, fn in checks.items() if only is None or name in only}
+    return {name: fn() for name, fn in checks.items()
+            if (name in only if only is not None else name != "connect_c" or c_generator)}
 
 
 def core_times() -> dict[int, tuple[int, int]]:
@@ -1325,7 +1419,8 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=2000)
     ap.add_argument("--faults", action="store_true", help="the sink injects one loss, duplicate and reorder")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the sink to core 0 and the load to core 1")
-    ap.add_argument("--only", help="comma-separated checks to run")
+    ap.add_argument("--only", help="comma-separated checks to run; connect_c (the C idle generator, bench/cloadgen, "
+                    "against the C sink) runs only when named")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     raise_nofile(args.connections + 1000)

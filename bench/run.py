@@ -14,7 +14,8 @@ Scenarios (64-byte payloads, MQTT 3.1.1):
   qos1     QoS 1 end to end, 4 publishers x 32 in flight, clean sessions, for a bounded time: msgs/s, p50/p99
            latency
   fanout   QoS 0, 1 publisher -> 50 subscribers, a bounded count: deliveries/s
-  idle     5000 idle connections (keep alive 60): connect rate, broker RSS per connection
+  idle     5000 idle connections (keep alive 60): connect rate, broker RSS per connection; opened by the C
+           generator bench/cloadgen when it is built (make cloadgen), else by bench/loadgen.py's Python one
   offline  100 000 QoS 1 messages to a persistent offline subscriber (edge-gateway: durable LMDB with fsync group
            commits; Mosquitto: persistence false; amqtt: memory), then the drain on reconnect
   qos2     QoS 2 end to end, exactly once, 4 publishers x 32 in flight, clean sessions: msgs/s, PUBCOMPs/s,
@@ -71,6 +72,7 @@ from loadgen import (  # noqa: E402
     SubSpec,
     Workers,
     busy_fraction,
+    cloadgen_binary,
     core_times,
     latencies_ms,
     merge_subscribers,
@@ -79,6 +81,7 @@ from loadgen import (  # noqa: E402
     publish_retained,
     raise_nofile,
     run_idle,
+    run_idle_c,
     run_publisher_qos0,
     run_publisher_qos1,
     run_retained_subscribers,
@@ -110,6 +113,7 @@ class Params:
     kill_after: float = 2.0
     amqtt_cap: float = 45.0  # seconds a single amqtt cell may take
     selfcheck_seconds: float = 1.5
+    idle_generator: str = "auto"  # "c" (bench/cloadgen), "python" (loadgen.run_idle), "auto": C when it is built
 
 
 QUICK = Params(runs=1, fanin_per_pub=10_000, qos1_seconds=1.5, fanout_msgs=2_000, idle_conns=5000,
@@ -426,14 +430,30 @@ def scenario_fanout(b: Broker, p: Params, budget: float, info: dict[str, Any]) -
             "fanout.lost": expected - m["unique"], "fanout.cpu": cpu}
 
 
+def idle_generator(p: Params) -> str:
+    """"c" or "python": which opener the idle scenario uses (``p.idle_generator``; "auto" is C when it is built).
+
+    Raises:
+        RuntimeError: "c" was asked for and bench/cloadgen is not built.
+    """
+    if p.idle_generator == "python" or (p.idle_generator == "auto" and cloadgen_binary() is None):
+        return "python"
+    if cloadgen_binary() is None:
+        raise RuntimeError("bench/cloadgen/cloadgen is not built (make cloadgen)")
+    return "c"
+
+
 def scenario_idle(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
     assert b.target is not None
     w = Workers(budget)
+    opener = run_idle_c if idle_generator(p) == "c" else run_idle
     try:
         time.sleep(0.3)
         rss0 = b.rss_kib()
         meter = Meter(b)
-        name = w.spawn(run_idle, b.target, p.idle_conns, w.ctl, keep_alive=60, concurrency=64)
+        # the C generator runs in a worker's child process: it inherits the worker's core like the Python workers,
+        # and its report's cpu_s is its own CPU over its elapsed time, as run_idle's is
+        name = w.spawn(opener, b.target, p.idle_conns, w.ctl, keep_alive=60, concurrency=64)
         r = w.collect("connected", [name], budget)[name]
         info["core1_busy"] = meter.core_busy()
         info["core0_foreign"] = meter.foreign()
@@ -448,7 +468,7 @@ def scenario_idle(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
     finally:
         w.close()
     info["checks"] = {"connected": r["connected"], "failed": r["failed"], "rss_before_kib": rss0,
-                      "rss_after_kib": rss1}
+                      "rss_after_kib": rss1, "generator": "C" if opener is run_idle_c else "Python"}
     if r["connected"] < p.idle_conns:
         raise RuntimeError(f"only {r['connected']} of {p.idle_conns} connections accepted ({r['failed']} failed)")
     return {"idle.rate": r["connected"] / max(1e-9, r["elapsed"]), "idle.rss": (rss1 - rss0) / r["connected"]}
@@ -623,7 +643,8 @@ def summarize(values: list[float], kind: str) -> str:
 
 def ceilings(sc: dict[str, Any], fanout_subs: int) -> dict[str, float]:
     """Per-scenario ceilings of the load generator: publisher and subscriber share core 1, so a scenario's
-    ceiling is 1 / (1/publish + 1/subscribe) in its own unit."""
+    ceiling is 1 / (1/publish + 1/subscribe) in its own unit. The connect ceiling is the C generator's
+    (``connect_c``) when the self-check measured it."""
 
     def both(a: float, b: float) -> float:
         return 1 / (1 / a + 1 / b)
@@ -633,7 +654,7 @@ def ceilings(sc: dict[str, Any], fanout_subs: int) -> dict[str, float]:
         "qos1": both(sc["publish_qos1"]["rate"], sc["subscribe_qos1"]["rate"]),
         "qos1_pub": sc["publish_qos1"]["rate"],
         "fanout": both(sc["publish_qos0"]["rate"] * fanout_subs, sc["subscribe_fanout"]["rate"]),
-        "connect": sc["connect"]["rate"],
+        "connect": sc["connect_c" if "connect_c" in sc else "connect"]["rate"],
         "offline_pub": sc["publish_qos1"]["rate"],
         "offline_drain": sc["subscribe_qos1"]["rate"],
     }
@@ -778,11 +799,15 @@ def main() -> int:
                     help="comma-separated brokers; edge-gateway+metrics: edge-gateway with Prometheus metrics on, "
                     "scraped every second")
     ap.add_argument("--no-selfcheck", action="store_true", help="skip the load generator's ceiling")
+    ap.add_argument("--idle-generator", choices=("auto", "c", "python"), default="auto",
+                    help="the idle scenario's opener: the C one (bench/cloadgen, make cloadgen), the Python one "
+                    "(bench/loadgen.py), or auto: C when it is built")
     ap.add_argument("--out", default=str(RESULTS / "latest.md"))
     args = ap.parse_args()
     p = QUICK if args.quick else Params()
     if args.runs:
         p.runs = args.runs
+    p.idle_generator = args.idle_generator
     scenarios = args.only.split(",") if args.only else list(SCENARIOS)
     brokers = [k for k in (*KINDS, bench_brokers.METRICS_KIND) if k in args.brokers.split(",")]
     for s in scenarios:
@@ -808,7 +833,11 @@ def main() -> int:
     sc: dict[str, Any] = {}
     if not args.no_selfcheck:
         print("# load generator self-check against the do-nothing sink ...", file=sys.stderr)
-        sc = self_check(p.selfcheck_seconds, pin=two_cores, connections=min(p.idle_conns, 2000))
+        c_idle = "idle" in scenarios and idle_generator(p) == "c"
+        if "idle" in scenarios:
+            print(f"# idle connections opened by the {'C (bench/cloadgen)' if c_idle else 'Python'} generator",
+                  file=sys.stderr)
+        sc = self_check(p.selfcheck_seconds, pin=two_cores, connections=min(p.idle_conns, 2000), c_generator=c_idle)
         ceil = ceilings(sc, p.fanout_subs)
         for name, r in sc.items():
             print(f"#   {name:<18} {r['rate']:>12,.0f}/s", file=sys.stderr)
@@ -930,7 +959,9 @@ def write_report(path: Path, table: str, foot: list[str], p: Params, vers: dict[
         f"- limits: max_inflight {MAX_INFLIGHT} (Mosquitto max_inflight_messages), queue {MAX_QUEUED} messages "
         "(Mosquitto max_queued_messages, edge-gateway max_mqueue_len); amqtt has no such settings",
         f"- fan-in: 4 x {p.fanin_per_pub} messages; QoS 1: {p.qos1_seconds} s; fan-out: {p.fanout_msgs} messages "
-        f"x {p.fanout_subs} subscribers; idle: {p.idle_conns} connections; offline: {p.offline_msgs} messages; "
+        f"x {p.fanout_subs} subscribers; idle: {p.idle_conns} connections (opener: {p.idle_generator}, "
+        f"{'bench/cloadgen built' if cloadgen_binary() else 'bench/cloadgen not built'}); "
+        f"offline: {p.offline_msgs} messages; "
         f"kill: SIGKILL {p.kill_after} s after the publishers start",
         "",
     ]
