@@ -468,7 +468,8 @@ def scenario_idle(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
     finally:
         w.close()
     info["checks"] = {"connected": r["connected"], "failed": r["failed"], "rss_before_kib": rss0,
-                      "rss_after_kib": rss1, "generator": "C" if opener is run_idle_c else "Python"}
+                      "rss_after_kib": rss1, "generator": "C" if opener is run_idle_c else "Python",
+                      "generator_busy": round(r["cpu_s"] / max(1e-9, r["elapsed"]), 3)}
     if r["connected"] < p.idle_conns:
         raise RuntimeError(f"only {r['connected']} of {p.idle_conns} connections accepted ({r['failed']} failed)")
     return {"idle.rate": r["connected"] / max(1e-9, r["elapsed"]), "idle.rss": (rss1 - rss0) / r["connected"]}
