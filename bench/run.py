@@ -650,15 +650,29 @@ def ceilings(sc: dict[str, Any], fanout_subs: int) -> dict[str, float]:
     def both(a: float, b: float) -> float:
         return 1 / (1 / a + 1 / b)
 
+    def rate(check: str) -> float:
+        return float(sc[check]["rate"]) if check in sc else float("nan")  # not measured: "-" in the table
+
     return {
-        "fanin": both(sc["publish_qos0"]["rate"], sc["subscribe_qos0"]["rate"]),
-        "qos1": both(sc["publish_qos1"]["rate"], sc["subscribe_qos1"]["rate"]),
-        "qos1_pub": sc["publish_qos1"]["rate"],
-        "fanout": both(sc["publish_qos0"]["rate"] * fanout_subs, sc["subscribe_fanout"]["rate"]),
-        "connect": sc["connect_c" if "connect_c" in sc else "connect"]["rate"],
-        "offline_pub": sc["publish_qos1"]["rate"],
-        "offline_drain": sc["subscribe_qos1"]["rate"],
+        "fanin": both(rate("publish_qos0"), rate("subscribe_qos0")),
+        "qos1": both(rate("publish_qos1"), rate("subscribe_qos1")),
+        "qos1_pub": rate("publish_qos1"),
+        "fanout": both(rate("publish_qos0") * fanout_subs, rate("subscribe_fanout")),
+        "connect": rate("connect_c" if "connect_c" in sc else "connect"),
+        "offline_pub": rate("publish_qos1"),
+        "offline_drain": rate("subscribe_qos1"),
     }
+
+
+#: the self-checks whose ceilings a scenario's rows show (--only runs just these)
+SELF_CHECKS = {
+    "fanin": {"publish_qos0", "subscribe_qos0"},
+    "fanin_acl": {"publish_qos0", "subscribe_qos0"},
+    "qos1": {"publish_qos1", "subscribe_qos1"},
+    "fanout": {"publish_qos0", "subscribe_fanout"},
+    "idle": {"connect"},
+    "offline": {"publish_qos1", "subscribe_qos1"},
+}
 
 
 def build_table(results: dict[str, dict[str, list[float]]], notes: dict[tuple[str, str], str],
@@ -838,7 +852,13 @@ def main() -> int:
         if "idle" in scenarios:
             print(f"# idle connections opened by the {'C (bench/cloadgen)' if c_idle else 'Python'} generator",
                   file=sys.stderr)
-        sc = self_check(p.selfcheck_seconds, pin=two_cores, connections=min(p.idle_conns, 2000), c_generator=c_idle)
+        only = None  # every check
+        if args.only:
+            only = set().union(*(SELF_CHECKS.get(s, set()) for s in scenarios))
+            if c_idle:
+                only.add("connect_c")
+        sc = self_check(p.selfcheck_seconds, pin=two_cores, connections=min(p.idle_conns, 2000), only=only,
+                        c_generator=c_idle)
         ceil = ceilings(sc, p.fanout_subs)
         for name, r in sc.items():
             print(f"#   {name:<18} {r['rate']:>12,.0f}/s", file=sys.stderr)
