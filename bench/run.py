@@ -14,7 +14,7 @@ Scenarios (64-byte payloads, MQTT 3.1.1):
   qos1     QoS 1 end to end, 4 publishers x 32 in flight, clean sessions, for a bounded time: msgs/s, p50/p99
            latency
   fanout   QoS 0, 1 publisher -> 50 subscribers, a bounded count: deliveries/s
-  idle     5000 idle connections (keep alive 60): connect rate, broker RSS per connection; opened by the C
+  idle     5000 idle connections (keep alive 60): connect rate, broker RSS and CPU per connection; opened by the C
            generator bench/cloadgen when it is built (make cloadgen), else by bench/loadgen.py's Python one
   offline  100 000 QoS 1 messages to a persistent offline subscriber (edge-gateway: durable LMDB with fsync group
            commits; Mosquitto: persistence false; amqtt: memory), then the drain on reconnect
@@ -153,6 +153,10 @@ METRICS = [
     Metric("fanout.cpu", "fan-out QoS 0 (1 pub -> 50 sub)", "broker CPU us/delivery", "us", "down"),
     Metric("idle.rate", "idle connections (keep alive 60)", "connects/s", "rate", "up", "connect"),
     Metric("idle.rss", "idle connections (keep alive 60)", "RSS KiB/connection", "kib", "down"),
+    # the broker's own cost of a connection, whichever side bounds the rate (the load core pays the kernel's
+    # loopback handshake: docs/benchmarks.md, "The C load generator")
+    Metric("idle.cpu", "idle connections (keep alive 60)", "broker CPU us/connection (CONNECT to CONNACK)", "us",
+           "down"),
     Metric("offline.pub", "offline QoS 1 backlog", "publish msgs/s", "rate", "up", "offline_pub"),
     Metric("offline.rss", "offline QoS 1 backlog", "broker RSS MiB, backlog queued", "mib", "down"),
     Metric("offline.drain", "offline QoS 1 backlog", "drain msgs/s on reconnect", "rate", "up", "offline_drain"),
@@ -455,6 +459,7 @@ def scenario_idle(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
         # and its report's cpu_s is its own CPU over its elapsed time, as run_idle's is
         name = w.spawn(opener, b.target, p.idle_conns, w.ctl, keep_alive=60, concurrency=64)
         r = w.collect("connected", [name], budget)[name]
+        cpu_us = meter.cpu_us(r["connected"])
         info["core1_busy"] = meter.core_busy()
         info["core0_foreign"] = meter.foreign()
         info["bound"] = {"idle.rate": (max(r["cpu_s"] / max(1e-9, r["elapsed"]), info["core1_busy"]),
@@ -472,7 +477,8 @@ def scenario_idle(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
                       "generator_busy": round(r["cpu_s"] / max(1e-9, r["elapsed"]), 3)}
     if r["connected"] < p.idle_conns:
         raise RuntimeError(f"only {r['connected']} of {p.idle_conns} connections accepted ({r['failed']} failed)")
-    return {"idle.rate": r["connected"] / max(1e-9, r["elapsed"]), "idle.rss": (rss1 - rss0) / r["connected"]}
+    return {"idle.rate": r["connected"] / max(1e-9, r["elapsed"]), "idle.rss": (rss1 - rss0) / r["connected"],
+            "idle.cpu": cpu_us}
 
 
 def fsync_probe(directory: Path, n: int = 30) -> float:
