@@ -49,7 +49,7 @@ from gateway.broker.message import Message
 from gateway.broker.output import hand_out, send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
-from gateway.broker.session_state import NEVER, Connection
+from gateway.broker.session_state import NEVER, NO_ACKS, Connection
 from gateway.broker.state import BrokerState, Stats
 from gateway.broker.store_port import SessionStore
 from gateway.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
@@ -61,7 +61,6 @@ __all__ = ["Broker", "Stats"]
 
 log = logging.getLogger("gateway.broker")
 
-_NO_ACKS: list[int] = []
 
 #: Runs of plain QoS 2 acknowledgements by first byte (PUBREC, PUBREL, PUBCOMP): the handler of a whole run.
 _ACK_RUNS: dict[int, Callable[[BrokerState, Connection, list[int], float], None]] = {
@@ -234,7 +233,7 @@ class Broker(BrokerState):
                     if not connect.hold(self, conn, packet, now):
                         connect.on_connect(self, conn, packet, now)
                 elif conn.state == HELD:
-                    conn.held.append(packet)  # handled once the throttled CONNECT is (Connection.take_held)
+                    conn.hold_behind(packet)  # handled once the throttled CONNECT is (Connection.take_held)
                 else:
                     return
         except UnsupportedProtocolVersion as exc:
@@ -327,14 +326,14 @@ class Broker(BrokerState):
         self.input_owns = False
         pids = conn.pending_acks
         if conn.state == CLOSED:
-            pids = _NO_ACKS
+            pids = NO_ACKS
         elif len(pids) > ACK_RUN_PART:
             conn.pending_acks = pids[ACK_RUN_PART:]
             on_pubacks(self, conn, pids[:ACK_RUN_PART], now)
             return
         rest = conn.pending_data
         conn.pending = False
-        conn.pending_acks = _NO_ACKS
+        conn.pending_acks = NO_ACKS
         conn.pending_data = b""
         if pids:
             on_pubacks(self, conn, pids, now)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.mqtt.packets import Publish
 from gateway.mqtt.properties import Properties
 
 #: "No Subscription Identifiers": one shared list, never mutated.
@@ -74,6 +75,14 @@ class Delivery:
     expires_at: float | None = None
     dropped: bool = False
     seq: int = 0
+
+
+def packet_id_of(p: Publish) -> int:
+    """The Packet Identifier of a QoS 1 or 2 PUBLISH ``p``, which always has one: the codec refuses such a PUBLISH
+    without it [MQTT-2.2.1-3]."""
+    pid = p.packet_id
+    assert pid is not None, "a QoS 1/2 PUBLISH without a Packet Identifier"
+    return pid
 
 
 def is_utf8(data: bytes) -> bool:
