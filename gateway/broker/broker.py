@@ -46,6 +46,7 @@ from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Message
+from gateway.broker.native_classes import mypyc_attr
 from gateway.broker.output import hand_out, send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
@@ -70,6 +71,8 @@ _ACK_RUNS: dict[int, Callable[[BrokerState, Connection, list[int], float], None]
 }
 
 
+# Compiled, a native class; tests and benchmarks subclass it in Python (tests/recording_broker.py, bench/).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Broker(BrokerState):
     """An MQTT 3.1.1 + 5.0 broker as a state machine: bytes in, packets out, no I/O.
 
@@ -236,8 +239,8 @@ class Broker(BrokerState):
                     conn.hold_behind(packet)  # handled once the throttled CONNECT is (Connection.take_held)
                 else:
                     return
-        except UnsupportedProtocolVersion as exc:
-            self._unsupported_version(conn, exc, now)
+        except UnsupportedProtocolVersion as unsupported:  # its own name: compiled, a variable has one type
+            self._unsupported_version(conn, unsupported, now)
         except MQTTError as exc:
             self._protocol_error(conn, exc, now)
 
