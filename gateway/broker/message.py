@@ -6,8 +6,6 @@ A :class:`Message` is stored once; every :class:`Delivery` (queue entry or Infli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from gateway.mqtt.packets import Publish
 from gateway.mqtt.properties import Properties
 
@@ -20,7 +18,11 @@ AWAIT_ACK = 0
 AWAIT_COMP = 1
 
 
-@dataclass(slots=True, eq=False)
+# Message and Delivery are written out with the __init__ and repr a dataclass(slots=True, eq=False) would give them:
+# compiled by mypyc, a dataclass keeps its generated __init__ interpreted, and one of each is made per message (a
+# Delivery took twice as long to make compiled as interpreted).
+
+
 class Message:
     """One Application Message as the broker received it.
 
@@ -35,22 +37,42 @@ class Message:
         sender: the publishing Client Identifier (for No Local), or ``None`` for the broker itself.
     """
 
-    mid: int
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    properties: Properties
-    received_at: float
-    expires_at: float | None = None
-    sender: str | None = None
+    __slots__ = ("expires_at", "mid", "payload", "properties", "qos", "received_at", "retain", "sender", "topic")
+
+    def __init__(
+        self,
+        mid: int,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        properties: Properties,
+        received_at: float,
+        expires_at: float | None = None,
+        sender: str | None = None,
+    ) -> None:
+        self.mid = mid
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        self.properties = properties
+        self.received_at = received_at
+        self.expires_at = expires_at
+        self.sender = sender
+
+    def __repr__(self) -> str:
+        return (
+            f"Message(mid={self.mid!r}, topic={self.topic!r}, payload={self.payload!r}, qos={self.qos!r}, "
+            f"retain={self.retain!r}, properties={self.properties!r}, received_at={self.received_at!r}, "
+            f"expires_at={self.expires_at!r}, sender={self.sender!r})"
+        )
 
     def expired(self, now: float) -> bool:
         """True once ``now`` (wall-clock seconds) is past the message's expiry."""
         return self.expires_at is not None and now >= self.expires_at
 
 
-@dataclass(slots=True, eq=False)
 class Delivery:
     """One message on its way to one session: a Message Queue entry, then an Inflight Window slot.
 
@@ -65,16 +87,38 @@ class Delivery:
         dropped: set when the Message Queue dropped it (lazy removal).
     """
 
-    message: Message
-    qos: int
-    retain: bool = False
-    sub_ids: list[int] = field(default_factory=list)  # the broker passes a shared empty list when none
-    packet_id: int = 0
-    state: int = AWAIT_ACK
-    sent_at: float = 0.0
-    expires_at: float | None = None
-    dropped: bool = False
-    seq: int = 0
+    __slots__ = ("dropped", "expires_at", "message", "packet_id", "qos", "retain", "sent_at", "seq", "state", "sub_ids")
+
+    def __init__(
+        self,
+        message: Message,
+        qos: int,
+        retain: bool = False,
+        sub_ids: list[int] | None = None,  # the broker passes a shared empty list when none
+        packet_id: int = 0,
+        state: int = AWAIT_ACK,
+        sent_at: float = 0.0,
+        expires_at: float | None = None,
+        dropped: bool = False,
+        seq: int = 0,
+    ) -> None:
+        self.message = message
+        self.qos = qos
+        self.retain = retain
+        self.sub_ids: list[int] = [] if sub_ids is None else sub_ids
+        self.packet_id = packet_id
+        self.state = state
+        self.sent_at = sent_at
+        self.expires_at = expires_at
+        self.dropped = dropped
+        self.seq = seq
+
+    def __repr__(self) -> str:
+        return (
+            f"Delivery(message={self.message!r}, qos={self.qos!r}, retain={self.retain!r}, sub_ids={self.sub_ids!r}, "
+            f"packet_id={self.packet_id!r}, state={self.state!r}, sent_at={self.sent_at!r}, "
+            f"expires_at={self.expires_at!r}, dropped={self.dropped!r}, seq={self.seq!r})"
+        )
 
 
 def packet_id_of(p: Publish) -> int:
