@@ -6,6 +6,8 @@ A :class:`Message` is stored once; every :class:`Delivery` (queue entry or Infli
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gateway.mqtt.packets import Publish
 from gateway.mqtt.properties import Properties
 
@@ -18,11 +20,13 @@ AWAIT_ACK = 0
 AWAIT_COMP = 1
 
 
-# Message and Delivery are written out with the __init__ and repr a dataclass(slots=True, eq=False) would give them:
-# compiled by mypyc, a dataclass keeps its generated __init__ interpreted, and one of each is made per message (a
-# Delivery took twice as long to make compiled as interpreted).
+# Message and Delivery have their __init__ written out: compiled by mypyc, a dataclass keeps its generated __init__
+# interpreted, and one of each is made per message (a Delivery took twice as long to make compiled as interpreted).
+# Message stays a dataclass otherwise (dataclasses.replace copies one with changes); Delivery is a plain class with
+# the repr a dataclass would give it.
 
 
+@dataclass(init=False, slots=True, eq=False)
 class Message:
     """One Application Message as the broker received it.
 
@@ -37,7 +41,15 @@ class Message:
         sender: the publishing Client Identifier (for No Local), or ``None`` for the broker itself.
     """
 
-    __slots__ = ("expires_at", "mid", "payload", "properties", "qos", "received_at", "retain", "sender", "topic")
+    mid: int
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    properties: Properties
+    received_at: float
+    expires_at: float | None
+    sender: str | None
 
     def __init__(
         self,
@@ -60,13 +72,6 @@ class Message:
         self.received_at = received_at
         self.expires_at = expires_at
         self.sender = sender
-
-    def __repr__(self) -> str:
-        return (
-            f"Message(mid={self.mid!r}, topic={self.topic!r}, payload={self.payload!r}, qos={self.qos!r}, "
-            f"retain={self.retain!r}, properties={self.properties!r}, received_at={self.received_at!r}, "
-            f"expires_at={self.expires_at!r}, sender={self.sender!r})"
-        )
 
     def expired(self, now: float) -> bool:
         """True once ``now`` (wall-clock seconds) is past the message's expiry."""
