@@ -84,8 +84,7 @@ lint: venv
 # TEST_WORKERS=0 runs everything in one process.
 # The suite runs on the compiled MQTT codec and broker core (--core compiled fails at once if the install has none);
 # then the in-process codec, topic, core, limits and protocol-glue tests and the fuzzer's short run again on their .py
-# files (EDGE_GATEWAY_PURE=1, gateway/native.py), so both stay correct: 743 tests, about 25 s more on 2 workers (70 s
-# while a qemu image test shared the 2 cores) before the limits and glue tests joined the pure run.
+# files (EDGE_GATEWAY_PURE=1, gateway/native.py), so both stay correct: 762 tests, about 30 s more on 2 workers.
 TEST_WORKERS ?= 2
 PURE_TESTS := tests/test_codec_roundtrip.py tests/test_codec_vectors.py tests/test_codec_malformed.py tests/test_topics.py \
 	tests/test_core.py tests/test_limits.py tests/test_protocol_glue.py tests/test_fuzz.py
