@@ -13,18 +13,18 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The install compiles gateway/mqtt with mypyc (setup.py; EDGE_GATEWAY_COMPILE=1 puts mypy into the build
+# The install compiles gateway/mqtt and gateway/broker with mypyc (setup.py; EDGE_GATEWAY_COMPILE=1 puts mypy into the build
 # environment: docs/compiled.md): a C compiler and Python's headers are installed first when missing and apt-get can
-# (root); without them the install is the pure-Python code. Any edit of a compiled module's .py file reinstalls
+# (root); without them the install is the pure-Python code. Any edit of a .py file in either package reinstalls
 # (until then gateway/native.py runs the edited .py files, not stale C).
 # bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
 # pysparkplug: the Sparkplug B host application of the tests (an implementation other than the bridge's); its
 # metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py build_backend/edge_gateway_build.py \
-    $(wildcard gateway/mqtt/*.py)
+    $(wildcard gateway/mqtt/*.py) $(wildcard gateway/broker/*.py)
 	@$(MAKE) --no-print-directory compiler
 	EDGE_GATEWAY_COMPILE=1 $(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
-	@$(BIN)/edge-gateway version --verbose | sed -n 's/^core: /the MQTT codec runs /p'
+	@$(BIN)/edge-gateway version --verbose | sed -n 's/^core: /the MQTT codec and broker core run /p'
 	$(BIN)/pip install -q --no-deps 'bokeh-sampledata==2026.1'
 	$(BIN)/pip install -q --no-deps 'pysparkplug==0.6.1'
 	touch $@
@@ -40,10 +40,10 @@ compiler:
 	  || missing="$$missing python3-dev"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing Debian packages (the compiled MQTT codec):$$missing"; \
+	    echo "installing Debian packages (the compiled MQTT codec and broker core):$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null \
-	      || echo "could not install$$missing: the MQTT codec will be the pure-Python one"; \
-	  else echo "missing$$missing (not root or no apt-get): the MQTT codec will be the pure-Python one"; fi; \
+	      || echo "could not install$$missing: the MQTT codec and broker core will be pure Python"; \
+	  else echo "missing$$missing (not root or no apt-get): the MQTT codec and broker core will be pure Python"; fi; \
 	fi
 
 # Debian packages the tests use (real mosquitto_pub/mosquitto_sub clients, Mosquitto as a peer; rauc and
@@ -82,13 +82,12 @@ lint: venv
 # The test files run on TEST_WORKERS pytest-xdist workers (each file on one worker, its tests in order): most tests
 # wait on brokers, sockets and qemu rather than compute, so 2 workers on 2 cores halve the wall time.
 # TEST_WORKERS=0 runs everything in one process.
-# The suite runs on the compiled MQTT codec (--core compiled fails at once if the install has none); then the
-# in-process codec, topic and core tests and the fuzzer's short run again on the codec's .py files (EDGE_GATEWAY_PURE=1,
-# gateway/native.py), so both stay correct: 743 tests, about 25 s more on 2 workers (70 s while a qemu image test
-# shared the 2 cores).
+# The suite runs on the compiled MQTT codec and broker core (--core compiled fails at once if the install has none);
+# then the in-process codec, topic, core, limits and protocol-glue tests and the fuzzer's short run again on their .py
+# files (EDGE_GATEWAY_PURE=1, gateway/native.py), so both stay correct: 762 tests, about 30 s more on 2 workers.
 TEST_WORKERS ?= 2
 PURE_TESTS := tests/test_codec_roundtrip.py tests/test_codec_vectors.py tests/test_codec_malformed.py tests/test_topics.py \
-	tests/test_core.py tests/test_fuzz.py
+	tests/test_core.py tests/test_limits.py tests/test_protocol_glue.py tests/test_fuzz.py
 test: venv deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --core compiled

@@ -1,9 +1,11 @@
-"""Compiles the MQTT codec (gateway/mqtt) to C extension modules with mypyc, from the same .py files.
+"""Compiles the MQTT codec (gateway/mqtt) and the broker core (gateway/broker) to C extension modules with mypyc,
+from the same .py files.
 
 pyproject.toml holds the project's metadata; this file only adds the extension modules. The compiled modules sit
-next to their .py files (gateway/mqtt/packets.cpython-311-*.so) with one shared library
-(gateway/mqtt/_core__mypyc.*.so), in a wheel and in place for ``pip install -e`` alike; gateway/native.py decides
-at import time which of the two runs (``EDGE_GATEWAY_PURE=1``: the .py files). docs/compiled.md says more.
+next to their .py files (gateway/mqtt/packets.cpython-311-*.so, gateway/broker/broker.cpython-311-*.so) with one
+shared library for both packages (gateway/_core__mypyc.*.so: the core calls the codec's native classes directly),
+in a wheel and in place for ``pip install -e`` alike; gateway/native.py decides at import time which of the two
+runs (``EDGE_GATEWAY_PURE=1``: the .py files). docs/compiled.md says more.
 
 mypyc comes with mypy, which the build environment holds when ``EDGE_GATEWAY_COMPILE=1`` asks for it
 (build_backend/edge_gateway_build.py) or, without build isolation, when the environment has it. Without mypy, without
@@ -24,12 +26,20 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-#: The modules mypyc compiles (gateway/mqtt/__init__.py stays a plain package file); gateway/native.py lists the
-#: same modules as COMPILED_MODULES.
-COMPILED = [f"gateway/mqtt/{name}.py" for name in
-            ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")]  # fmt: skip
-#: The name of the shared library the modules' own extension stubs load: inside the package, not at the top level.
-GROUP = "gateway.mqtt._core"
+#: The modules mypyc compiles. Three stay Python: the packages' __init__.py files (they choose between compiled and
+#: .py modules, gateway/native.py), gateway/broker/native_classes.py (it picks mypyc_attr at run time, which compiled
+#: code cannot) and gateway/broker/timers.py (a tick's deadlines, about once a second: the tests see which
+#: connections a tick checks by replacing timers.check, which compiled callers would not look up).
+#: gateway/native.py lists the same modules as COMPILED_MODULES.
+_PLAIN = ("__init__.py", "native_classes.py", "timers.py")
+COMPILED = [
+    *(f"gateway/mqtt/{name}.py"
+      for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
+    *sorted(f"gateway/broker/{p.name}" for p in (HERE / "gateway" / "broker").glob("*.py") if p.name not in _PLAIN),
+]  # fmt: skip
+#: The name of the shared library the modules' own extension stubs load: inside the gateway package, not at the top
+#: level of site-packages.
+GROUP = "gateway._core"
 
 
 def _say(message: str) -> None:
@@ -50,13 +60,15 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-            _say(f"compiling gateway/mqtt failed ({type(exc).__name__}: {exc}); installing the pure-Python code")
+            _say(f"compiling gateway/mqtt and gateway/broker failed ({type(exc).__name__}: {exc}); "
+                 "installing the pure-Python code")
             self._remove_outputs()
             return
         # What gateway/native.py compares with the .py files beside the modules: an edited source makes it run the
         # .py files until the next build instead of stale compiled code.
         record = Path(self.get_ext_fullpath(GROUP + "__mypyc")).with_name("_core__mypyc.sources")
-        record.write_text("".join(f"{Path(path).name} {digest}\n" for path, digest in sorted(SOURCES.items())))
+        record.write_text("".join(f"{path.removeprefix('gateway/')} {digest}\n"  # mqtt/packets.py <sha256>
+                                  for path, digest in sorted(SOURCES.items())))
 
     def build_extension(self, ext: Any) -> None:
         try:
@@ -92,7 +104,7 @@ def _extensions() -> list[Any]:
     try:
         extensions = list(mypycify(["--strict", *COMPILED], opt_level="3", group_name=GROUP, target_dir="build/mypyc"))
     except SystemExit as exc:  # mypyc exits on a type error: the .py files are the source, so this is a bug
-        raise SystemExit(f"edge-gateway build: mypyc refused gateway/mqtt ({exc.code}): see `make lint`") from None
+        raise SystemExit(f"edge-gateway build: mypyc refused the core ({exc.code}): see `make lint`") from None
     finally:
         os.chdir(cwd)
     # The same source gives the same bytes (ansible/site.yml's wheels; an unchanged board reports changed=0): the

@@ -1,10 +1,11 @@
 """edge-gateway's PEP 517 build backend: setuptools' own, with mypy added to the build requirements on request.
 
 ``EDGE_GATEWAY_COMPILE=1`` (``make venv`` and ansible/site.yml's wheel build set it) makes the frontend put mypy,
-whose mypyc compiles gateway/mqtt (setup.py), into the build environment. mypy is not in ``[build-system] requires``
-because a build requirement that cannot be fetched (no network, a mirror without it) fails the whole install,
-where setup.py can fall back to the pure-Python codec when mypyc or a C compiler is missing. Without the variable the
-build compiles only when mypyc is already there (``pip install --no-build-isolation`` from an environment with mypy).
+whose mypyc compiles gateway/mqtt and gateway/broker (setup.py), into the build environment. mypy is not in
+``[build-system] requires`` because a build requirement that cannot be fetched (no network, a mirror without it)
+fails the whole install, where setup.py can fall back to the pure-Python code when mypyc or a C compiler is
+missing. Without the variable the build compiles only when mypyc is already there (``pip install
+--no-build-isolation`` from an environment with mypy).
 docs/compiled.md describes the build.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F403  # every hook not redefined below is setuptools' own
 
-#: The mypy the compiled codec is built with: the same as the [test] extra's, which `make lint` runs.
+#: The mypy the compiled codec and core are built with: the same as the [test] extra's, which `make lint` runs.
 MYPY = "mypy==2.4.1"
 #: The environment variable that asks for the compiled codec ("1"); ``EDGE_GATEWAY_BUILD_PURE=1`` overrides it.
 COMPILE_ENV = "EDGE_GATEWAY_COMPILE"

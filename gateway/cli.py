@@ -105,8 +105,8 @@ def _read_config(path: str | None) -> GatewayConfig | None:
 
 def _cmd_version(args: argparse.Namespace) -> int:
     """``edge-gateway VERSION`` alone on its line, as ``--version`` prints it; with ``--verbose`` a second line says
-    how the MQTT codec runs: ``core: compiled (mypyc)`` or ``core: pure Python (<why>)`` (gateway/native.py;
-    ``EDGE_GATEWAY_PURE=1`` asks for the pure-Python one)."""
+    how the MQTT codec and the broker core run: ``core: compiled (mypyc)`` or ``core: pure Python (<why>)``
+    (gateway/native.py; ``EDGE_GATEWAY_PURE=1`` asks for the pure-Python one)."""
     print(f"edge-gateway {__version__}")
     if args.verbose:
         print(f"core: {native.select().describe()}")
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     passwd_cli.add_parser(sub)
     settings_cli.add_parser(sub)
     _add_update_parser(sub)
-    version = sub.add_parser("version", help="print the version (--verbose: and whether the MQTT codec runs compiled)")
+    version = sub.add_parser("version", help="print the version (--verbose: and whether the core runs compiled)")
     version.add_argument("--verbose", "-v", action="store_true",
                          help="a second line, 'core: compiled (mypyc)' or 'core: pure Python (<why>)'")
     version.set_defaults(func=_cmd_version)

@@ -1,15 +1,19 @@
-"""Which MQTT codec runs: the modules of gateway/mqtt compiled by mypyc, or the same .py files interpreted.
+"""Which core runs: the modules of the MQTT codec (gateway/mqtt) and the broker core (gateway/broker) compiled by
+mypyc, or the same .py files interpreted.
 
-setup.py compiles gateway/mqtt next to its .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
-``packets.py``, plus the shared library ``_core__mypyc``) and records the SHA-256 of each source it compiled in
-``_core__mypyc.sources``. Python's import system prefers an extension module to a .py file of the same name, so the
-compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt`` package is imported) makes the .py
-files run instead when
+setup.py compiles both packages next to their .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
+``packets.py``), with one shared library for all of them (``gateway/_core__mypyc``), and records the SHA-256 of each
+source it compiled in ``gateway/_core__mypyc.sources``. Python's import system prefers an extension module to a .py
+file of the same name, so the compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt`` or
+``gateway.broker`` package is first imported) makes the .py files of every compiled module run instead when
 
-- ``EDGE_GATEWAY_PURE=1`` is set (the pure-Python codec from the same install, e.g. to compare or to test it),
+- ``EDGE_GATEWAY_PURE=1`` is set (the pure-Python core from the same install, e.g. to compare or to test it),
 - there are no compiled modules (an install without a C compiler, or built with ``EDGE_GATEWAY_BUILD_PURE=1``),
-- a .py file differs from the source its module was compiled from (an edited checkout not yet rebuilt:
-  ``make venv`` rebuilds), or the shared library does not load.
+- a .py file of either package differs from the source its module was compiled from (an edited checkout not yet
+  rebuilt: ``make venv`` rebuilds), or the shared library does not load.
+
+It is all or nothing: the compiled modules call each other's native classes and functions directly (one shared
+library), so one edited module means the .py files for all of them.
 
 :data:`CORE` says which one was chosen and why: ``edge-gateway version --verbose`` and the ``edge_gateway_build`` info
 metric show it. docs/compiled.md describes the build.
@@ -27,22 +31,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-#: The environment variable that asks for the pure-Python codec ("1").
+#: The environment variable that asks for the pure-Python core ("1").
 PURE_ENV = "EDGE_GATEWAY_PURE"
-#: The modules setup.py compiles (its COMPILED list).
-COMPILED_MODULES = tuple(
-    f"gateway.mqtt.{name}"
-    for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")
-)
-#: The shared library the compiled modules' stubs load, and the record of the sources it was compiled from.
-SHARED_LIBRARY = "gateway.mqtt._core__mypyc"
+#: The modules setup.py compiles (its COMPILED list, which says why three modules stay Python): every module of
+#: gateway/mqtt and gateway/broker but the packages' __init__.py files, gateway/broker/native_classes.py and
+#: gateway/broker/timers.py.
+COMPILED_MODULES = (
+    *(f"gateway.mqtt.{name}"
+      for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
+    *(f"gateway.broker.{name}"
+      for name in ("access_decisions", "actions", "barriers", "broker", "commits", "connect", "connection_states",
+                   "deadlines", "delivery", "inbound", "inflight", "limits", "message", "mqueue", "output", "qos2",
+                   "queue_pager", "ratelog", "reasons", "retained_store", "router", "session_lifecycle",
+                   "session_state", "state", "store_port", "subscribe", "subscription_tree")),
+)  # fmt: skip
+#: The shared library the compiled modules' stubs load, and the record of the sources it was compiled from (paths
+#: relative to gateway/, e.g. ``mqtt/packets.py``).
+SHARED_LIBRARY = "gateway._core__mypyc"
 SOURCES_RECORD = "_core__mypyc.sources"
 
-_MQTT_DIR = Path(__file__).resolve().parent / "mqtt"
+_GATEWAY_DIR = Path(__file__).resolve().parent
 
 
 class Core:
-    """The codec in use: ``compiled`` is True for mypyc's modules; ``reason`` says why the .py files run otherwise."""
+    """The core in use: ``compiled`` is True for mypyc's modules; ``reason`` says why the .py files run otherwise."""
 
     __slots__ = ("compiled", "reason")
 
@@ -67,13 +79,21 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in COMPILED_MODULES:
             return None
-        source = _MQTT_DIR / (fullname.rpartition(".")[2] + ".py")
-        return importlib.util.spec_from_file_location(fullname, source)
+        return importlib.util.spec_from_file_location(fullname, _source(fullname))
 
 
-def _extension(name: str) -> Path | None:
+def _relative(module: str) -> str:
+    """``gateway.mqtt.packets`` -> ``mqtt/packets`` (the path under gateway/, without a suffix)."""
+    return module.partition(".")[2].replace(".", "/")
+
+
+def _source(module: str) -> Path:
+    return _GATEWAY_DIR / (_relative(module) + ".py")
+
+
+def _extension(relative: str) -> Path | None:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = _MQTT_DIR / (name + suffix)
+        candidate = _GATEWAY_DIR / (relative + suffix)
         if candidate.exists():
             return candidate
     return None
@@ -89,18 +109,17 @@ def _why_not_compiled() -> str | None:
         return f"{PURE_ENV}=1"
     if _extension("_core__mypyc") is None:
         return "no compiled modules in this install"
-    record = _MQTT_DIR / SOURCES_RECORD
+    record = _GATEWAY_DIR / SOURCES_RECORD
     try:
         compiled_from = dict(line.split() for line in record.read_text().splitlines() if line.strip())
     except (OSError, ValueError):
         return f"no valid {SOURCES_RECORD} beside the compiled modules"
     for module in COMPILED_MODULES:
-        name = module.rpartition(".")[2]
-        source = _MQTT_DIR / (name + ".py")
-        if _extension(name) is None:
-            return f"{name} was not compiled"
-        if compiled_from.get(source.name) != _sha256(source):
-            return f"{source.name} changed since it was compiled: `make venv` rebuilds"
+        relative = _relative(module)
+        if _extension(relative) is None:
+            return f"{relative}.py was not compiled"
+        if compiled_from.get(relative + ".py") != _sha256(_source(module)):
+            return f"{relative}.py changed since it was compiled: `make venv` rebuilds"
     try:
         importlib.import_module(SHARED_LIBRARY)
     except ImportError as exc:
@@ -112,10 +131,10 @@ _CHOOSING = Core(False, "being chosen")
 
 
 def select() -> Core:
-    """Choose the codec before any module of gateway/mqtt is imported (idempotent); returns :data:`CORE`.
+    """Choose the core before any compiled module of gateway/mqtt or gateway/broker is imported (idempotent);
+    returns :data:`CORE`.
 
-    gateway/mqtt/__init__.py calls it; so do the places that report the choice. Loading the shared library to
-    check it imports the ``gateway.mqtt`` package, whose call here then returns at once."""
+    gateway/mqtt/__init__.py and gateway/broker/__init__.py call it; so do the places that report the choice."""
     global CORE
     if CORE is not None:
         return CORE

@@ -19,8 +19,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--core",
         choices=("any", "compiled", "pure"),
         default="any",
-        help="fail at once unless the MQTT codec runs this way: compiled (mypyc) or pure (its .py files; "
-        "EDGE_GATEWAY_PURE=1). make test runs the suite with --core compiled and the codec tests with --core pure.",
+        help="fail at once unless the MQTT codec and the broker core run this way: compiled (mypyc) or pure (their "
+        ".py files; EDGE_GATEWAY_PURE=1). make test runs the suite with --core compiled and the codec and core tests "
+        "with --core pure.",
     )
 
 
@@ -28,11 +29,11 @@ def pytest_configure(config: pytest.Config) -> None:
     wanted = config.getoption("--core")
     core = native.select()
     if wanted != "any" and core.compiled != (wanted == "compiled"):
-        raise pytest.UsageError(f"--core {wanted}, but the MQTT codec runs {core.describe()}")
+        raise pytest.UsageError(f"--core {wanted}, but the MQTT codec and broker core run {core.describe()}")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"edge-gateway MQTT codec: {native.select().describe()}"
+    return f"edge-gateway MQTT codec and broker core: {native.select().describe()}"
 
 
 _first_broker = pytest.StashKey[int]()

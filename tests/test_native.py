@@ -1,6 +1,6 @@
-"""The compiled MQTT codec and its pure-Python fallback from the same install (gateway/native.py, setup.py):
-``EDGE_GATEWAY_PURE=1`` runs the .py files, the default runs mypyc's modules when the install has them, and an
-edited .py file is never shadowed by a module compiled from its older text."""
+"""The compiled MQTT codec and broker core and their pure-Python fallback from the same install (gateway/native.py,
+setup.py): ``EDGE_GATEWAY_PURE=1`` runs the .py files, the default runs mypyc's modules when the install has them,
+and an edited .py file of either package is never shadowed by a module compiled from its older text."""
 
 from __future__ import annotations
 
@@ -42,11 +42,25 @@ def _compiled_install() -> None:
 
 
 def test_pure_env_runs_the_py_files_of_the_same_install(tmp_path: Path) -> None:
-    """EDGE_GATEWAY_PURE=1: every codec module is loaded from its .py file, whatever the install holds."""
+    """EDGE_GATEWAY_PURE=1: every compiled module of the codec and the core is loaded from its .py file, whatever
+    the install holds."""
     core, *files = _probe({native.PURE_ENV: "1"}, tmp_path)
     assert core == "pure Python (EDGE_GATEWAY_PURE=1)"
     assert len(files) == len(native.COMPILED_MODULES)
     assert all(f.endswith(".py") for f in files), files
+    assert any("/gateway/broker/" in f for f in files) and any("/gateway/mqtt/" in f for f in files), files
+
+
+def test_every_module_of_both_packages_is_listed_but_the_three_that_stay_python() -> None:
+    """gateway/native.py lists what setup.py compiles, every module of gateway/mqtt and gateway/broker but the
+    three setup.py names: a module compiled but not listed would run stale after an edit."""
+    text = (ROOT / "setup.py").read_text()
+    assert '_PLAIN = ("__init__.py", "native_classes.py", "timers.py")' in text
+    listed = {m.replace(".", "/") + ".py" for m in native.COMPILED_MODULES}
+    plain = {"gateway/mqtt/__init__.py", "gateway/broker/__init__.py", "gateway/broker/native_classes.py",
+             "gateway/broker/timers.py"}
+    on_disk = {str(p.relative_to(ROOT)) for d in ("mqtt", "broker") for p in (ROOT / "gateway" / d).glob("*.py")}
+    assert listed == on_disk - plain
 
 
 def test_default_runs_the_compiled_modules_as_native_classes(tmp_path: Path) -> None:
@@ -56,6 +70,8 @@ def test_default_runs_the_compiled_modules_as_native_classes(tmp_path: Path) -> 
     core, *files = _probe({}, tmp_path)
     assert core == "compiled (mypyc)"
     assert all(f.endswith(".so") for f in files), files
+    from gateway.broker.limits import ZoneLimits
+    from gateway.broker.session_state import Connection
     from gateway.mqtt.framing import PacketReader
     from gateway.mqtt.packets import Publish
 
@@ -65,6 +81,10 @@ def test_default_runs_the_compiled_modules_as_native_classes(tmp_path: Path) -> 
     with pytest.raises(TypeError):
         p.qos = "1"  # type: ignore[assignment]  # the point: the field's type is checked at run time
     assert not hasattr(PacketReader(), "__dict__")
+    conn = Connection(ZoneLimits(), "default", "127.0.0.1:1", 0.0)
+    with pytest.raises(TypeError):
+        conn.keep_alive = "60"  # type: ignore[assignment]  # the core's classes are native too
+    assert not hasattr(conn, "__dict__")
 
 
 def test_an_edited_source_runs_as_python_until_rebuilt(tmp_path: Path) -> None:
@@ -78,7 +98,20 @@ def test_an_edited_source_runs_as_python_until_rebuilt(tmp_path: Path) -> None:
     with (copy / "gateway" / "mqtt" / "topics.py").open("a") as f:
         f.write("\n# edited\n")
     core, *files = _probe({}, tmp_path, pythonpath=copy)
-    assert core == "pure Python (topics.py changed since it was compiled: `make venv` rebuilds)"
+    assert core == "pure Python (mqtt/topics.py changed since it was compiled: `make venv` rebuilds)"
+    assert all(f.startswith(str(copy)) and f.endswith(".py") for f in files), files
+
+
+def test_an_edited_core_module_runs_every_module_as_python(tmp_path: Path) -> None:
+    """One shared library serves the codec and the core: an edited module of gateway/broker makes the codec's
+    modules run from their .py files too, not only the edited one."""
+    _compiled_install()
+    copy = tmp_path / "site"
+    shutil.copytree(ROOT / "gateway", copy / "gateway", ignore=shutil.ignore_patterns("__pycache__"))
+    with (copy / "gateway" / "broker" / "inflight.py").open("a") as f:
+        f.write("\n# edited\n")
+    core, *files = _probe({}, tmp_path, pythonpath=copy)
+    assert core == "pure Python (broker/inflight.py changed since it was compiled: `make venv` rebuilds)"
     assert all(f.startswith(str(copy)) and f.endswith(".py") for f in files), files
 
 

@@ -114,7 +114,8 @@ OPEN = ListenerAccess()
 
 def listener_access(core: BrokerState, listener: str) -> ListenerAccess:
     """The :class:`ListenerAccess` of ``listener`` (:data:`OPEN` when none was given)."""
-    return core.settings.access.get(listener, OPEN)
+    access: ListenerAccess = core.settings.access.get(listener, OPEN)
+    return access
 
 
 def authenticate(

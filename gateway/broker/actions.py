@@ -9,10 +9,11 @@ core's state; the core never holds a transport.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from gateway.broker.session_state import Connection
+# Imported at run time, not only for the type checker: compiled by mypyc, the NamedTuple below is made when this
+# module is imported, from its fields' classes, so Connection's class must exist by then.
+from gateway.broker.session_state import Connection
 
 __all__ = ["ABORT", "CLOSE", "KEEP_OPEN", "NO_ACTIONS", "UNTIL_RELEASED", "Action"]
 

@@ -46,10 +46,11 @@ from gateway.broker.deadlines import next_check
 from gateway.broker.inflight import ACK_RUN_PART, on_pubacks
 from gateway.broker.limits import BrokerSettings, ZoneLimits
 from gateway.broker.message import Message
+from gateway.broker.native_classes import mypyc_attr
 from gateway.broker.output import hand_out, send, send_raw
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import connack_refusal_packet, disconnect, unsupported_version_connack
-from gateway.broker.session_state import NEVER, Connection
+from gateway.broker.session_state import NEVER, NO_ACKS, Connection
 from gateway.broker.state import BrokerState, Stats
 from gateway.broker.store_port import SessionStore
 from gateway.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
@@ -61,7 +62,6 @@ __all__ = ["Broker", "Stats"]
 
 log = logging.getLogger("gateway.broker")
 
-_NO_ACKS: list[int] = []
 
 #: Runs of plain QoS 2 acknowledgements by first byte (PUBREC, PUBREL, PUBCOMP): the handler of a whole run.
 _ACK_RUNS: dict[int, Callable[[BrokerState, Connection, list[int], float], None]] = {
@@ -71,6 +71,8 @@ _ACK_RUNS: dict[int, Callable[[BrokerState, Connection, list[int], float], None]
 }
 
 
+# Compiled, a native class; tests and benchmarks subclass it in Python (tests/recording_broker.py, bench/).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Broker(BrokerState):
     """An MQTT 3.1.1 + 5.0 broker as a state machine: bytes in, packets out, no I/O.
 
@@ -234,11 +236,11 @@ class Broker(BrokerState):
                     if not connect.hold(self, conn, packet, now):
                         connect.on_connect(self, conn, packet, now)
                 elif conn.state == HELD:
-                    conn.held.append(packet)  # handled once the throttled CONNECT is (Connection.take_held)
+                    conn.hold_behind(packet)  # handled once the throttled CONNECT is (Connection.take_held)
                 else:
                     return
-        except UnsupportedProtocolVersion as exc:
-            self._unsupported_version(conn, exc, now)
+        except UnsupportedProtocolVersion as unsupported:  # its own name: compiled, a variable has one type
+            self._unsupported_version(conn, unsupported, now)
         except MQTTError as exc:
             self._protocol_error(conn, exc, now)
 
@@ -327,14 +329,14 @@ class Broker(BrokerState):
         self.input_owns = False
         pids = conn.pending_acks
         if conn.state == CLOSED:
-            pids = _NO_ACKS
+            pids = NO_ACKS
         elif len(pids) > ACK_RUN_PART:
             conn.pending_acks = pids[ACK_RUN_PART:]
             on_pubacks(self, conn, pids[:ACK_RUN_PART], now)
             return
         rest = conn.pending_data
         conn.pending = False
-        conn.pending_acks = _NO_ACKS
+        conn.pending_acks = NO_ACKS
         conn.pending_data = b""
         if pids:
             on_pubacks(self, conn, pids, now)

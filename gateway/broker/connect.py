@@ -246,7 +246,7 @@ def _session_expiry(p: Connect, limits: ZoneLimits, v5: bool) -> tuple[float, fl
     if v5:
         requested = p.properties.get(P.SESSION_EXPIRY_INTERVAL, 0)
     else:
-        requested = 0 if p.clean_start else NEVER
+        requested = 0.0 if p.clean_start else float(NEVER)  # a float either way (mypyc stores a double)
     granted = requested
     max_expiry = limits.session_expiry_interval
     if requested and requested > max_expiry and max_expiry >= 0:

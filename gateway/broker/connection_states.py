@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import enum
 
+from gateway.broker.native_classes import mypyc_attr
+
 
 class ConnState(enum.IntEnum):
     """The state of one Network Connection (see the module's docstring)."""
@@ -41,6 +43,9 @@ ALLOWED: dict[ConnState, frozenset[ConnState]] = {
 }
 
 
+# A native class cannot inherit from RuntimeError (mypyc compiles only Exception's own subclasses natively): a
+# Python class, as raising it is rare (a bug).
+@mypyc_attr(native_class=False)
 class IllegalTransition(RuntimeError):
     """A change of a connection's state that :data:`ALLOWED` does not list (a programming error in the core)."""
 

@@ -23,7 +23,7 @@ from gateway.broker.session_state import Connection
 from gateway.mqtt.packets import MQTT_5
 
 
-class _Bucket(dict):  # type: ignore[type-arg]
+class _Bucket(dict[Connection, None]):
     """The connections filed under one second (a dict as an ordered set), and that second: every connection in it
     shares this one int object as its ``check_key`` (a second past 2**30 is an int object of 32 bytes)."""
 

@@ -12,14 +12,14 @@ from gateway.broker.actions import UNTIL_RELEASED
 from gateway.broker.barriers import ACK_PUBACK, hold
 from gateway.broker.connection_states import CONNECTED
 from gateway.broker.limits import topic_limit_error
-from gateway.broker.message import Message, is_utf8
+from gateway.broker.message import Message, is_utf8, packet_id_of
 from gateway.broker.output import PUBACK_BYTE, send, send_ack
 from gateway.broker.qos2 import duplicate, received
 from gateway.broker.ratelog import peer_host
 from gateway.broker.reasons import PUBACK_NO_MATCHING, publish_refusal, store_refusal
 from gateway.broker.router import publish
 from gateway.broker.session_lifecycle import close
-from gateway.broker.session_state import Connection, aliases_in_for_write
+from gateway.broker.session_state import Connection, Session, aliases_in_for_write
 from gateway.broker.state import BrokerState
 from gateway.mqtt.errors import MQTTError, ProtocolError
 from gateway.mqtt.packets import MQTT_5, PubAck, Publish, PubRec
@@ -81,7 +81,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
     stats.received_qos[qos] += 1
 
     if qos == 2 and pid in session.awaiting_rel:
-        duplicate(core, conn, pid)  # type: ignore[arg-type]
+        duplicate(core, conn, packet_id_of(p))
         return
     if qos and conn.inbound_pending + len(session.awaiting_rel) >= limits.max_awaiting_rel:
         raise MQTTError(
@@ -89,7 +89,7 @@ def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> N
             f"more than Receive Maximum ({limits.max_awaiting_rel}) QoS 1/2 PUBLISH "
             "awaiting acknowledgement [MQTT-3.3.4-7]",
         )
-    if _refused(core, conn, p, topic, v5, props):
+    if _refused(core, conn, session, p, topic, v5, props):
         return
     retain = p.retain
     if retain:
@@ -173,14 +173,16 @@ def _topic_alias_and_properties(conn: Connection, topic: str, props: dict[int, A
     return topic, props
 
 
-def _refused(core: BrokerState, conn: Connection, p: Publish, topic: str, v5: bool, props: dict[int, Any]) -> bool:
+def _refused(
+    core: BrokerState, conn: Connection, session: Session, p: Publish, topic: str, v5: bool, props: dict[int, Any]
+) -> bool:
     """The checks that refuse one PUBLISH and keep the connection: the Payload Format Indicator (0x99), the write
     ACL and ``$SYS`` (5.0 QoS 1/2: 0x87; else dropped), ``max_topic_levels`` / ``max_topic_length`` (0x90). True
     when refused (:func:`reject`)."""
     if v5 and props.get(P.PAYLOAD_FORMAT_INDICATOR) == 1 and not is_utf8(p.payload):
         reject(core, conn, p, RC.PAYLOAD_FORMAT_INVALID, "payload is not UTF-8 as its Payload Format Indicator says")
         return True
-    acl = conn.session.acl  # type: ignore[union-attr]  # None without an acl_file: one comparison, nothing else
+    acl = session.acl
     if acl is not None and not acl.may_publish(topic):
         # 5.0: PUBACK/PUBREC 0x87, QoS 0 dropped silently; 3.1.1: dropped and acknowledged as accepted, as
         # Mosquitto does (reasons.publish_refusal) [MQTT-3.3.5-2].
@@ -257,8 +259,11 @@ def refused(
     client's retry is taken as new."""
     if p.qos == 1:
         conn.inbound_pending -= 1
-    elif conn.session is not None and conn.session.awaiting_rel.get(p.packet_id) is entry:  # type: ignore[arg-type]
-        del conn.session.awaiting_rel[p.packet_id]  # type: ignore[arg-type]
+    elif conn.session is not None:
+        awaiting = conn.session.awaiting_rel
+        pid = packet_id_of(p)
+        if isinstance(awaiting, dict) and awaiting.get(pid) is entry:
+            del awaiting[pid]
     refuse_unstored(core, conn, p, full, now)
 
 
@@ -307,9 +312,9 @@ def reject(core: BrokerState, conn: Connection, p: Publish, reason: RC, text: st
         reason,
     )
     if p.qos == 1:
-        send(core, conn, PubAck(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
+        send(core, conn, PubAck(packet_id_of(p), publish_refusal(conn.version, reason)))
     elif p.qos == 2:
-        send(core, conn, PubRec(p.packet_id, publish_refusal(conn.version, reason)))  # type: ignore[arg-type]
+        send(core, conn, PubRec(packet_id_of(p), publish_refusal(conn.version, reason)))
 
 
 def puback(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None:
@@ -318,9 +323,9 @@ def puback(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None
     if conn.state != CONNECTED:
         return
     if reason:
-        send(core, conn, PubAck(p.packet_id, reason))  # type: ignore[arg-type]
+        send(core, conn, PubAck(packet_id_of(p), reason))
     else:
-        send_ack(core, conn, PUBACK_BYTE, p.packet_id)  # type: ignore[arg-type]
+        send_ack(core, conn, PUBACK_BYTE, packet_id_of(p))
 
 
 def puback_committed(core: BrokerState, conn: Connection, p: Publish, reason: int) -> None:

@@ -44,6 +44,7 @@ def send_new(core: BrokerState, session: Session, conn: Connection, delivery: De
         session.next_packet_id = pid % 65535 + 1  # allocate_packet_id's answer, without the call
     delivery.packet_id = pid
     delivery.sent_at = now
+    assert isinstance(inflight, dict)  # a session that is sent to can receive (Session.start_receiving)
     inflight[pid] = delivery
     if session.persistent:
         core.store.delivery_saved(session.client_id, delivery)  # in flight, to re-send with DUP=1
@@ -121,7 +122,9 @@ def pump(core: BrokerState, session: Session, now: float) -> None:
 
 def finish(core: BrokerState, session: Session, delivery: Delivery) -> None:
     """A delivery left the Inflight Window for good (acknowledged, refused or undeliverable)."""
-    session.inflight.pop(delivery.packet_id, None)
+    inflight = session.inflight
+    assert isinstance(inflight, dict)  # it held the delivery
+    inflight.pop(delivery.packet_id, None)
     if session.persistent:
         core.store.delivery_deleted(session.client_id, delivery)
 
@@ -144,7 +147,7 @@ def resend(core: BrokerState, session: Session, conn: Connection, now: float, ol
             else:
                 if not session.unsent:
                     session.unsent = deque()
-                session.unsent.append(delivery)  # type: ignore[union-attr]
+                session.unsent.append(delivery)
         return
     held = {id(d) for d in session.unsent}
     for delivery in list(session.inflight.values()):
@@ -208,6 +211,7 @@ def on_pubacks(core: BrokerState, conn: Connection, pids: list[int], now: float)
         if delivery is None or delivery.qos != 1:
             log.debug("%s: PUBACK for unknown Packet Identifier %d", conn.client_id, pid)
             continue
+        assert isinstance(inflight, dict)  # it holds a delivery: not the empty stand-in
         del inflight[pid]
         done.append(delivery)
     if session.persistent and done:

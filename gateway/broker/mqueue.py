@@ -126,14 +126,19 @@ class MessageQueue:
         victim = None
         if self.max_len and self._len >= self.max_len:
             victim = self._drop_one()
-        if self._tail or self.paged or (self.pager is not None and delivery.seq
-                                        and len(self._items) >= self.mem_len):
-            self._tail.append(delivery)  # type: ignore[union-attr]  # a deque once paging is on
+        tail = self._tail
+        if tail or self.paged or (self.pager is not None and delivery.seq
+                                  and len(self._items) >= self.mem_len):
+            tail_qos0 = self._tail_qos0
+            # Only a paging queue gets here (its tail holds entries, or entries are paged, or it has a pager):
+            # enable_paging gave it the tail's deques.
+            assert isinstance(tail, deque) and isinstance(tail_qos0, deque)
+            tail.append(delivery)
             if delivery.qos == 0:
-                self._tail_qos0.append(delivery)  # type: ignore[union-attr]
+                tail_qos0.append(delivery)
             self._len += 1
             self.bytes += len(delivery.message.payload)
-            if len(self._tail) >= self._page_out_every:
+            if len(tail) >= self._page_out_every:
                 self.page_out()  # commits land a batch at a time: looking on every push costs more than it frees
             return victim
         self._head().append(delivery)
@@ -147,21 +152,27 @@ class MessageQueue:
 
     def _head(self) -> deque[Delivery]:
         items = self._items
-        if type(items) is tuple:
+        if isinstance(items, tuple):
             items = self._items = deque()
         return items
 
     def _head_qos0(self) -> deque[Delivery]:
         qos0 = self._qos0
-        if type(qos0) is tuple:
+        if isinstance(qos0, tuple):
             qos0 = self._qos0 = deque()
         return qos0
 
     def _mark_gone(self, seq: int) -> None:
         gone = self._gone
-        if type(gone) is frozenset:
+        if isinstance(gone, frozenset):
             gone = self._gone = set()
-        gone.add(seq)  # type: ignore[union-attr]
+        gone.add(seq)
+
+    def _paged_qos0_index(self) -> deque[tuple[int, int]]:
+        # The paged part exists only once enable_paging has made its deques (the store calls it before add_paged).
+        paged_qos0 = self._paged_qos0
+        assert isinstance(paged_qos0, deque), "Message Queue: paging is not enabled"
+        return paged_qos0
 
     def page_out(self) -> None:
         """Move tail entries whose store rows are committed into the paged part (in order; an entry that is
@@ -191,8 +202,8 @@ class MessageQueue:
             if entry.qos == 0:
                 tail_qos0 = self._tail_qos0
                 while tail_qos0 and (tail_qos0[0].dropped or tail_qos0[0] is entry):
-                    tail_qos0.popleft()  # type: ignore[union-attr]
-                self._paged_qos0.append((seq, size))  # type: ignore[union-attr]
+                    tail_qos0.popleft()
+                self._paged_qos0_index().append((seq, size))
 
     def add_paged(self, seq: int, qos: int, size: int) -> None:
         """Account a stored entry that stays in the store (queue rows read back on start, in seq order);
@@ -205,7 +216,7 @@ class MessageQueue:
         self._len += 1
         self.bytes += size
         if qos == 0:
-            self._paged_qos0.append((seq, size))  # type: ignore[union-attr]
+            self._paged_qos0_index().append((seq, size))
 
     def page_in_all(self) -> None:
         """Read every paged entry back into memory and stop paging (before the store rows go away: a session
@@ -241,7 +252,7 @@ class MessageQueue:
         for qos0 in (self._qos0, None, self._tail_qos0):
             if qos0 is None:
                 if self._paged_qos0:
-                    seq, size = self._paged_qos0.popleft()  # type: ignore[union-attr]
+                    seq, size = self._paged_qos0.popleft()
                     self._mark_gone(seq)
                     self.paged -= 1
                     self._paged_bytes -= size
@@ -250,7 +261,7 @@ class MessageQueue:
                     return Delivery(_PAGED_OUT, 0, seq=seq, dropped=True)
                 continue
             while qos0:
-                entry = qos0.popleft()  # type: ignore[union-attr]
+                entry = qos0.popleft()
                 if not entry.dropped:
                     entry.dropped = True
                     self._len -= 1
@@ -270,31 +281,31 @@ class MessageQueue:
         assert self.pager is not None
         rows = self.pager.read(self._page_lo, self._page_hi, limit)
         gone = self._gone
-        items = self._head() if rows else self._items
         taken = taken_bytes = 0
-        for entry in rows:
-            seq = entry.seq
-            if seq in gone:
-                gone.discard(seq)  # type: ignore[union-attr]
-                continue
-            if entry.dropped:
-                # Its message row is missing (a damaged store): forgotten; its bytes leave with the range.
-                log.error("Message Queue: paged entry %d has no message in the store; forgotten", seq)
-                self.paged -= 1
-                self._len -= 1
-                continue
-            items.append(entry)  # type: ignore[union-attr]
-            if entry.qos == 0:
-                self._head_qos0().append(entry)
-            taken += 1
-            taken_bytes += len(entry.message.payload)
         if rows:
+            items = self._head()
+            for entry in rows:
+                seq = entry.seq
+                if isinstance(gone, set) and seq in gone:  # the shared empty frozenset holds none
+                    gone.discard(seq)
+                    continue
+                if entry.dropped:
+                    # Its message row is missing (a damaged store): forgotten; its bytes leave with the range.
+                    log.error("Message Queue: paged entry %d has no message in the store; forgotten", seq)
+                    self.paged -= 1
+                    self._len -= 1
+                    continue
+                items.append(entry)
+                if entry.qos == 0:
+                    self._head_qos0().append(entry)
+                taken += 1
+                taken_bytes += len(entry.message.payload)
             self._page_lo = rows[-1].seq
         self.paged -= taken
         self._paged_bytes -= taken_bytes
         paged_qos0 = self._paged_qos0
         while paged_qos0 and paged_qos0[0][0] <= self._page_lo:
-            paged_qos0.popleft()  # type: ignore[union-attr]
+            paged_qos0.popleft()
         if (not rows or self._page_lo >= self._page_hi) and (self.paged or self._paged_bytes):
             # The range is read through but entries are left: their rows are not in the store although they were
             # committed (rows of failed commits are reported and never paged, forget_unwritten), or their messages
@@ -303,7 +314,8 @@ class MessageQueue:
                 log.error("Message Queue: %d paged entries not found in the store; forgotten", self.paged)
             self._len -= self.paged
             self.bytes -= self._paged_bytes
-            paged_qos0.clear()  # type: ignore[union-attr]
+            if paged_qos0:
+                paged_qos0.clear()
             self.paged = 0
             self._paged_bytes = 0
         if gone:
@@ -330,7 +342,7 @@ class MessageQueue:
                 items = self._items
                 if not items:
                     raise IndexError("pop from an empty Message Queue")
-            entry = items.popleft()  # type: ignore[union-attr]
+            entry = items.popleft()
             if not entry.dropped:
                 self._len -= 1
                 self.bytes -= len(entry.message.payload)
@@ -338,7 +350,7 @@ class MessageQueue:
                     # Its index entry (if still there) is at the head of _qos0.
                     qos0 = self._qos0
                     while qos0 and (qos0[0] is entry or qos0[0].dropped):
-                        qos0.popleft()  # type: ignore[union-attr]
+                        qos0.popleft()
                 return entry
 
     def peek(self) -> Delivery | None:
@@ -346,7 +358,7 @@ class MessageQueue:
         while True:
             items = self._items
             while items and items[0].dropped:
-                items.popleft()  # type: ignore[union-attr]
+                items.popleft()
             if items:
                 return items[0]
             if not self._len:
@@ -399,7 +411,7 @@ class MessageQueue:
         self._dead = 0
         for part in (self._tail, self._tail_qos0, self._paged_qos0):
             if part:
-                part.clear()  # type: ignore[union-attr]
+                part.clear()
         self._gone = _NO_SEQS
         self.paged = 0
         self._paged_bytes = 0

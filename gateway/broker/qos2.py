@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gateway.broker.barriers import ACK_PUBCOMP, ACK_PUBREC, ACK_PUBREC_AGAIN, hold
 from gateway.broker.connection_states import CONNECTED
-from gateway.broker.message import Message
+from gateway.broker.message import Message, packet_id_of
 from gateway.broker.output import PUBCOMP_BYTE, PUBREC_BYTE, send, send_ack
 from gateway.broker.reasons import unknown_packet_id
 from gateway.broker.router import publish
@@ -22,7 +22,7 @@ from gateway.mqtt.packets import PubComp, Publish, PubRel
 def received(core: BrokerState, conn: Connection, session: Session, p: Publish, message: Message, now: float) -> None:
     """Keep a new QoS 2 ``message`` (of PUBLISH ``p``) under its Packet Identifier until its PUBREL, and PUBREC it
     once that is durable (held as :attr:`~gateway.broker.barriers.ACK_PUBREC`: refused if the commit fails)."""
-    pid: int = p.packet_id  # type: ignore[assignment]
+    pid = packet_id_of(p)
     awaiting = awaiting_rel_for_write(session)
     entry = awaiting[pid] = (message, now)
     timeout = session.limits.await_rel_timeout
@@ -70,7 +70,7 @@ def pubrel(core: BrokerState, conn: Connection, pid: int, now: float) -> None:
     session = conn.session
     assert session is not None
     awaiting = session.awaiting_rel
-    entry = awaiting.pop(pid, None) if awaiting else None  # type: ignore[attr-defined]  # non-empty: a dict
+    entry = awaiting.pop(pid, None) if isinstance(awaiting, dict) else None
     if entry is not None:
         if session.persistent:
             core.store.inbound_deleted(session.client_id, pid)

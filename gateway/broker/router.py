@@ -81,16 +81,18 @@ def publish(core: BrokerState, message: Message, now: float) -> int:
         deliver(core, sessions[client_id], message, min(message.qos, qos), message.retain and rap, sub_ids, now)
         count += 1
     for group in groups:
-        rec = _pick_shared(core, group)
-        if rec is None or (core.read_checks and not may_read(sessions[rec.client_id], rec.key, message.topic)):
+        picked = _pick_shared(core, group)
+        if picked is None or (
+            core.read_checks and not may_read(sessions[picked.client_id], picked.key, message.topic)
+        ):
             continue
         deliver(
             core,
-            sessions[rec.client_id],
+            sessions[picked.client_id],
             message,
-            min(message.qos, rec.qos),
+            min(message.qos, picked.qos),
             False,
-            [rec.sub_id] if rec.sub_id is not None else NO_IDS,
+            [picked.sub_id] if picked.sub_id is not None else NO_IDS,
             now,
         )
         count += 1

@@ -31,6 +31,8 @@ NEVER = 0xFFFFFFFF
 #: helpers below, and :meth:`Session.start_receiving`).
 NO_KEYS: frozenset[str] = frozenset()
 NO_ENTRIES: MappingProxyType[Any, Any] = MappingProxyType({})
+#: ``Connection.pending_acks`` when there are none: shared and never written (a run is replaced, not appended to).
+NO_ACKS: list[int] = []
 
 
 class _NoQueue(MessageQueue):
@@ -39,10 +41,21 @@ class _NoQueue(MessageQueue):
 
     __slots__ = ()
 
-    def _refuse(self, *_args: Any) -> None:
-        raise TypeError("a session without subscriptions has no Message Queue: Session.start_receiving() first")
+    def push(self, delivery: Delivery) -> Delivery | None:
+        raise _no_queue()
 
-    push = push_front = add_paged = enable_paging = _refuse  # type: ignore[assignment]
+    def push_front(self, delivery: Delivery) -> None:
+        raise _no_queue()
+
+    def add_paged(self, seq: int, qos: int, size: int) -> None:
+        raise _no_queue()
+
+    def enable_paging(self, pager: QueuePager, mem_len: int) -> None:
+        raise _no_queue()
+
+
+def _no_queue() -> TypeError:
+    return TypeError("a session without subscriptions has no Message Queue: Session.start_receiving() first")
 
 
 #: The shared Message Queue of every session that has never subscribed (or been loaded from the store).
@@ -268,7 +281,7 @@ class Connection:
         self.will: Will | None = None
         self.request_problem_info = True
         self.pending = False
-        self.pending_acks: list[int] | tuple[()] = ()
+        self.pending_acks = NO_ACKS
         self.pending_data = b""
         self.cert_cn: str | None = None  # a verified client certificate's CN, set by the TLS glue
         self.username: str | None = None
@@ -301,6 +314,12 @@ class Connection:
         """Hold the CONNECT ``packet`` until ``until`` (wall-clock seconds): the failure throttle's delay."""
         self.held = [packet]
         self.held_until = until
+
+    def hold_behind(self, packet: Any) -> None:
+        """Keep ``packet``, received while the CONNECT is held, to be handled after it (state ``HELD``)."""
+        held = self.held
+        assert isinstance(held, list), "no CONNECT is held"
+        held.append(packet)
 
     def take_held(self) -> list[Any]:
         """The held CONNECT and the packets that arrived behind it, in order; nothing is held after this call."""
@@ -335,9 +354,9 @@ class Connection:
 def partial_for_write(session: Session) -> set[str]:
     """``session.partial`` as a set that may be changed (made on first use)."""
     partial = session.partial
-    if type(partial) is frozenset:
+    if isinstance(partial, frozenset):
         partial = session.partial = set()
-    return partial  # type: ignore[return-value]
+    return partial
 
 
 def awaiting_rel_for_write(session: Session) -> dict[int, tuple[Message, float]]:

@@ -13,6 +13,7 @@ from typing import Any
 from gateway.broker.deadlines import DeadlineIndex
 from gateway.broker.limits import BrokerSettings
 from gateway.broker.message import Message
+from gateway.broker.native_classes import mypyc_attr
 from gateway.broker.ratelog import RateLimitedLog
 from gateway.broker.retained_store import RetainedMessages
 from gateway.broker.session_state import Connection, Session
@@ -80,6 +81,9 @@ class Stats:
         return sum(self.sent_qos)
 
 
+# Its subclass Broker may be subclassed in Python (gateway/broker/broker.py), which mypyc allows only when every base
+# class allows it too.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BrokerState:
     """Everything the broker knows, and nothing it does.
 

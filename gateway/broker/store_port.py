@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from gateway.broker.native_classes import mypyc_attr
 from gateway.broker.queue_pager import QueuePager
 
 __all__ = [
@@ -167,6 +168,8 @@ class SessionStore(Protocol):
         ...
 
 
+# Compiled, a native class; tests subclass it in Python (tests/fuzzing.py).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MemoryStore:
     """A :class:`SessionStore` that keeps nothing: sessions live only in the broker's memory."""
 

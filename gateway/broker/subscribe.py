@@ -103,7 +103,9 @@ def on_subscribe(core: BrokerState, conn: Connection, p: Subscribe, now: float) 
         if session.mqueue is NO_QUEUE:
             _start_receiving(core, session)
         existed = core.tree.add(record)
-        session.subscriptions[record.key] = record  # type: ignore[index]  # a dict since start_receiving
+        subscriptions = session.subscriptions
+        assert isinstance(subscriptions, dict)  # made by Session.start_receiving
+        subscriptions[record.key] = record
         if readable == "all":
             if record.key in session.partial:
                 partial_for_write(session).discard(record.key)
@@ -181,7 +183,8 @@ def on_unsubscribe(core: BrokerState, conn: Connection, p: Unsubscribe, now: flo
             else:
                 codes.append(RC.NO_SUBSCRIPTION_EXISTED)
             continue
-        del subscriptions[topic_filter]  # type: ignore[attr-defined]  # holds one: a dict
+        assert isinstance(subscriptions, dict)  # it holds the record
+        del subscriptions[topic_filter]
         core.tree.remove(session.client_id, record.topic_filter, record.share_group)
         if session.persistent:
             core.store.subscription_deleted(session.client_id, topic_filter)

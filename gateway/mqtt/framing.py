@@ -7,7 +7,7 @@ reader hold more than ``max_packet_size`` bytes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 
 from gateway.mqtt.errors import MalformedPacket, PacketTooLarge
 from gateway.mqtt.packets import MQTT_3_1_1, Connect, Packet, decode_packet
@@ -63,7 +63,7 @@ class PacketReader:
             pos += 4
         return pids, pos
 
-    def feed(self, data: bytes) -> Iterator[Packet]:
+    def feed(self, data: bytes) -> Generator[Packet, None, None]:
         """Add ``data`` and yield every whole packet now available, in order.
 
         The error for a bad packet is raised after the good packets before it were yielded; the

@@ -211,8 +211,9 @@ def _packet_name(ptype: int) -> str:
 
 def _broker_families(s: Snapshot) -> Iterator[Metric]:
     p = "edge_gateway_"
-    info = InfoMetricFamily(p + "build", "The gateway's version, and whether its MQTT codec runs compiled by mypyc "
-                            "(core=\"compiled\") or as Python source (core=\"pure\", core_reason says why).")
+    info = InfoMetricFamily(p + "build", "The gateway's version, and whether its MQTT codec and broker core run "
+                            "compiled by mypyc (core=\"compiled\") or as Python source (core=\"pure\", core_reason "
+                            "says why).")
     core = native.select()
     info.add_metric([], {"version": __version__, "core": "compiled" if core.compiled else "pure",
                          "core_reason": core.reason})
