@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +107,18 @@ def _check_first_report(report: dict[str, Any]) -> None:
     assert report["first_error"] == ""
 
 
-def test_cloadgen_connects_and_holds_every_connection_on_edge_gateway(cloadgen: str, gateway: BrokerProcess) -> None:
-    watcher = SysWatcher(gateway.port)
+def _connect_hold_release(exe: str, port: int, prefix: str, while_held: Callable[[], None] = lambda: None) -> None:
+    """cloadgen opens CONNECTIONS connections with ``prefix`` client ids; the broker's own count sees all of them (and
+    the watcher); ``while_held`` checks more while they are held; released, every one closed and the broker's count
+    back to the watcher alone."""
+    watcher = SysWatcher(port)
     proc = None
     try:
         watcher.wait_for(1)
-        proc, report = _start(cloadgen, gateway.port, "cl-eg-")
+        proc, report = _start(exe, port, prefix)
         _check_first_report(report)
         watcher.wait_for(CONNECTIONS + 1)  # the broker's count: all of them, and the watcher
+        while_held()
         assert proc.poll() is None  # held until stdin closes
         assert _release(proc) == {"closed": CONNECTIONS, "dropped": 0}
         watcher.wait_for(1)  # the broker saw them all go
@@ -125,26 +129,18 @@ def test_cloadgen_connects_and_holds_every_connection_on_edge_gateway(cloadgen: 
         watcher.close()
 
 
+def test_cloadgen_connects_and_holds_every_connection_on_edge_gateway(cloadgen: str, gateway: BrokerProcess) -> None:
+    _connect_hold_release(cloadgen, gateway.port, "cl-eg-")
+
+
 def test_cloadgen_connects_and_holds_every_connection_on_mosquitto(cloadgen: str, mosquitto: MosquittoBroker) -> None:
-    watcher = SysWatcher(mosquitto.port)
-    proc = None
-    try:
-        watcher.wait_for(1)
-        proc, report = _start(cloadgen, mosquitto.port, "cl-mq-")
-        _check_first_report(report)
-        watcher.wait_for(CONNECTIONS + 1)
+    def all_logged() -> None:
         # Mosquitto logs every CONNECT it accepted: 3.1.1 (p2), Clean Session 1, Keep Alive 60, the user name
         seen = re.compile(r"New client connected from 127\.0\.0\.1:\d+ as cl-mq-(\d+) \(p2, c1, k60, u'bench'\)")
         ids = {int(m.group(1)) for line in list(mosquitto.lines) if (m := seen.search(line))}
         assert ids == set(range(CONNECTIONS)), mosquitto.log()[-2000:]
-        assert proc.poll() is None
-        assert _release(proc) == {"closed": CONNECTIONS, "dropped": 0}
-        watcher.wait_for(1)
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        watcher.close()
+
+    _connect_hold_release(cloadgen, mosquitto.port, "cl-mq-", all_logged)
 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "localhost", "::1", "127.0.0.2", "0.0.0.0"])

@@ -66,6 +66,16 @@ static double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+/* How long a holding loop may wait in epoll_wait (ms, at most 1 s so a signal's flag is seen): until `until` when
+ * --hold was given (hold >= 0), else 1 s; -1 once `until` has passed. */
+static int hold_wait_ms(double hold, double until) {
+    if (hold < 0) return 1000;
+    double left = until - now_s();
+    if (left <= 0) return -1;
+    int ms = (int)(left * 1000) + 1;
+    return ms > 1000 ? 1000 : ms;
+}
+
 static double cpu_s(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
@@ -352,13 +362,8 @@ static int run_idle(const struct idle_opts *o) {
     double until = o->hold >= 0 ? now_s() + o->hold : 0;
     int released = !watch_stdin && o->hold < 0;
     while (!released && !stop_requested) {
-        int wait_ms = 1000;
-        if (o->hold >= 0) {
-            double left = until - now_s();
-            if (left <= 0) break;
-            wait_ms = (int)(left * 1000) + 1;
-            if (wait_ms > 1000) wait_ms = 1000;
-        }
+        int wait_ms = hold_wait_ms(o->hold, until);
+        if (wait_ms < 0) break;
         int nev = epoll_wait(ep, evs, MAX_EVENTS, wait_ms);
         if (nev < 0) {
             if (errno == EINTR) continue;
@@ -437,13 +442,8 @@ static int run_sink(double hold) {
     static const uint8_t connack[4] = {0x20, 0x02, 0x00, 0x00};
     static const uint8_t pingresp[2] = {0xd0, 0x00};
     while (!released && !stop_requested) {
-        int wait_ms = 1000;
-        if (hold >= 0) {
-            double left = until - now_s();
-            if (left <= 0) break;
-            wait_ms = (int)(left * 1000) + 1;
-            if (wait_ms > 1000) wait_ms = 1000;
-        }
+        int wait_ms = hold_wait_ms(hold, until);
+        if (wait_ms < 0) break;
         int nev = epoll_wait(ep, evs, MAX_EVENTS, wait_ms);
         if (nev < 0) {
             if (errno == EINTR) continue;

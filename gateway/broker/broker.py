@@ -305,13 +305,15 @@ class Broker(BrokerState):
         (possibly paused again), as :meth:`receive`."""
         if conn.deferred is None or conn.paused_until != UNTIL_RELEASED:
             return NO_ACTIONS
-        published = self.stats.publish_received
-        self._receive(conn, b"", now)
-        return self._read_actions(conn, published)
+        return self._take_up_deferred(conn, now)
 
     def pause_over(self, conn: Connection, now: float) -> list[Action]:
         """The ``max_publish_rate`` pause of ``conn`` passed (its action's ``pause_until``): the PUBLISH that
         waited for its token, then the bytes read after it; the actions (possibly paused again)."""
+        return self._take_up_deferred(conn, now)
+
+    def _take_up_deferred(self, conn: Connection, now: float) -> list[Action]:
+        """The deferred PUBLISH of ``conn`` (if any) and the bytes kept after it, as a read with no new bytes."""
         published = self.stats.publish_received
         self._receive(conn, b"", now)
         return self._read_actions(conn, published)
