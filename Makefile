@@ -13,15 +13,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The install compiles gateway/mqtt and gateway/broker with mypyc (setup.py; EDGE_GATEWAY_COMPILE=1 puts mypy into the build
-# environment: docs/compiled.md): a C compiler and Python's headers are installed first when missing and apt-get can
-# (root); without them the install is the pure-Python code. Any edit of a .py file in either package reinstalls
+# The install compiles gateway/mqtt, gateway/broker and the store's row encodings (gateway/store/records.py) with
+# mypyc (setup.py; EDGE_GATEWAY_COMPILE=1 puts mypy into the build environment: docs/compiled.md): a C compiler and Python's headers are installed first when missing and apt-get can
+# (root); without them the install is the pure-Python code. Any edit of one of those .py files reinstalls
 # (until then gateway/native.py runs the edited .py files, not stale C).
 # bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
 # pysparkplug: the Sparkplug B host application of the tests (an implementation other than the bridge's); its
 # metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py build_backend/edge_gateway_build.py \
-    $(wildcard gateway/mqtt/*.py) $(wildcard gateway/broker/*.py)
+    $(wildcard gateway/mqtt/*.py) $(wildcard gateway/broker/*.py) gateway/store/records.py
 	@$(MAKE) --no-print-directory compiler
 	EDGE_GATEWAY_COMPILE=1 $(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
 	@$(BIN)/edge-gateway version --verbose | sed -n 's/^core: /the MQTT codec and broker core run /p'
@@ -82,12 +82,13 @@ lint: venv
 # The test files run on TEST_WORKERS pytest-xdist workers (each file on one worker, its tests in order): most tests
 # wait on brokers, sockets and qemu rather than compute, so 2 workers on 2 cores halve the wall time.
 # TEST_WORKERS=0 runs everything in one process.
-# The suite runs on the compiled MQTT codec and broker core (--core compiled fails at once if the install has none);
-# then the in-process codec, topic, core, limits and protocol-glue tests and the fuzzer's short run again on their .py
-# files (EDGE_GATEWAY_PURE=1, gateway/native.py), so both stay correct: 762 tests, about 30 s more on 2 workers.
+# The suite runs on the compiled MQTT codec, broker core and store rows (--core compiled fails at once if the install
+# has none); then the in-process codec, topic, core, limits, protocol-glue and store-name tests and the fuzzer's short
+# run again on their .py files (EDGE_GATEWAY_PURE=1, gateway/native.py), so both stay correct: 768 tests, about 30 s
+# more on 2 workers.
 TEST_WORKERS ?= 2
 PURE_TESTS := tests/test_codec_roundtrip.py tests/test_codec_vectors.py tests/test_codec_malformed.py tests/test_topics.py \
-	tests/test_core.py tests/test_limits.py tests/test_protocol_glue.py tests/test_fuzz.py
+	tests/test_core.py tests/test_limits.py tests/test_protocol_glue.py tests/test_fuzz.py tests/test_store_names.py
 test: venv deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --core compiled

@@ -1,9 +1,9 @@
-"""Compiles the MQTT codec (gateway/mqtt) and the broker core (gateway/broker) to C extension modules with mypyc,
-from the same .py files.
+"""Compiles the MQTT codec (gateway/mqtt), the broker core (gateway/broker) and the LMDB store's row encodings
+(gateway/store/records.py) to C extension modules with mypyc, from the same .py files.
 
 pyproject.toml holds the project's metadata; this file only adds the extension modules. The compiled modules sit
 next to their .py files (gateway/mqtt/packets.cpython-311-*.so, gateway/broker/broker.cpython-311-*.so) with one
-shared library for both packages (gateway/_core__mypyc.*.so: the core calls the codec's native classes directly),
+shared library for all of them (gateway/_core__mypyc.*.so: the core calls the codec's native classes directly),
 in a wheel and in place for ``pip install -e`` alike; gateway/native.py decides at import time which of the two
 runs (``EDGE_GATEWAY_PURE=1``: the .py files). docs/compiled.md says more.
 
@@ -30,12 +30,15 @@ HERE = Path(__file__).resolve().parent
 #: .py modules, gateway/native.py), gateway/broker/native_classes.py (it picks mypyc_attr at run time, which compiled
 #: code cannot) and gateway/broker/timers.py (a tick's deadlines, about once a second: the tests see which
 #: connections a tick checks by replacing timers.check, which compiled callers would not look up).
+#: The store's row encodings (records.py) join them: every durable message is encoded there on the loop, and every
+#: paged-in one decoded; the rest of gateway/store drives LMDB and its writer thread, and stays Python.
 #: gateway/native.py lists the same modules as COMPILED_MODULES.
 _PLAIN = ("__init__.py", "native_classes.py", "timers.py")
 COMPILED = [
     *(f"gateway/mqtt/{name}.py"
       for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
     *sorted(f"gateway/broker/{p.name}" for p in (HERE / "gateway" / "broker").glob("*.py") if p.name not in _PLAIN),
+    "gateway/store/records.py",
 ]  # fmt: skip
 #: The name of the shared library the modules' own extension stubs load: inside the gateway package, not at the top
 #: level of site-packages.
@@ -60,7 +63,7 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-            _say(f"compiling gateway/mqtt and gateway/broker failed ({type(exc).__name__}: {exc}); "
+            _say(f"compiling gateway/mqtt, gateway/broker and gateway/store/records.py failed ({type(exc).__name__}: {exc}); "
                  "installing the pure-Python code")
             self._remove_outputs()
             return

@@ -1,7 +1,7 @@
-"""Which core runs: the modules of the MQTT codec (gateway/mqtt) and the broker core (gateway/broker) compiled by
-mypyc, or the same .py files interpreted.
+"""Which core runs: the modules of the MQTT codec (gateway/mqtt), the broker core (gateway/broker) and the store's row
+encodings (gateway/store/records.py) compiled by mypyc, or the same .py files interpreted.
 
-setup.py compiles both packages next to their .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
+setup.py compiles them next to their .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
 ``packets.py``), with one shared library for all of them (``gateway/_core__mypyc``), and records the SHA-256 of each
 source it compiled in ``gateway/_core__mypyc.sources``. Python's import system prefers an extension module to a .py
 file of the same name, so the compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt`` or
@@ -9,7 +9,7 @@ file of the same name, so the compiled code runs by default. :func:`select` (run
 
 - ``EDGE_GATEWAY_PURE=1`` is set (the pure-Python core from the same install, e.g. to compare or to test it),
 - there are no compiled modules (an install without a C compiler, or built with ``EDGE_GATEWAY_BUILD_PURE=1``),
-- a .py file of either package differs from the source its module was compiled from (an edited checkout not yet
+- a compiled module's .py file differs from the source its module was compiled from (an edited checkout not yet
   rebuilt: ``make venv`` rebuilds), or the shared library does not load.
 
 It is all or nothing: the compiled modules call each other's native classes and functions directly (one shared
@@ -35,7 +35,7 @@ from types import ModuleType
 PURE_ENV = "EDGE_GATEWAY_PURE"
 #: The modules setup.py compiles (its COMPILED list, which says why three modules stay Python): every module of
 #: gateway/mqtt and gateway/broker but the packages' __init__.py files, gateway/broker/native_classes.py and
-#: gateway/broker/timers.py.
+#: gateway/broker/timers.py, and gateway/store/records.py.
 COMPILED_MODULES = (
     *(f"gateway.mqtt.{name}"
       for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
@@ -44,6 +44,7 @@ COMPILED_MODULES = (
                    "deadlines", "delivery", "inbound", "inflight", "limits", "message", "mqueue", "output", "qos2",
                    "queue_pager", "ratelog", "reasons", "retained_store", "router", "session_lifecycle",
                    "session_state", "state", "store_port", "subscribe", "subscription_tree")),
+    "gateway.store.records",
 )  # fmt: skip
 #: The shared library the compiled modules' stubs load, and the record of the sources it was compiled from (paths
 #: relative to gateway/, e.g. ``mqtt/packets.py``).

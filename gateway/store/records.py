@@ -80,7 +80,8 @@ def u64(value: int) -> bytes:
 
 def from_u64(data: bytes, pos: int = 0) -> int:
     """Read an 8-byte big-endian integer at ``pos``."""
-    return _U64.unpack_from(data, pos)[0]
+    value: int = _U64.unpack_from(data, pos)[0]
+    return value
 
 
 def name_key(name: str) -> bytes:
