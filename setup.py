@@ -63,8 +63,8 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-            _say(f"compiling gateway/mqtt, gateway/broker and gateway/store/records.py failed ({type(exc).__name__}: {exc}); "
-                 "installing the pure-Python code")
+            _say(f"compiling gateway/mqtt, gateway/broker and gateway/store/records.py failed "
+                 f"({type(exc).__name__}: {exc}); installing the pure-Python code")
             self._remove_outputs()
             return
         # What gateway/native.py compares with the .py files beside the modules: an edited source makes it run the
