@@ -30,8 +30,9 @@ HERE = Path(__file__).resolve().parent
 #: .py modules, gateway/native.py), gateway/broker/native_classes.py (it picks mypyc_attr at run time, which compiled
 #: code cannot) and gateway/broker/timers.py (a tick's deadlines, about once a second: the tests see which
 #: connections a tick checks by replacing timers.check, which compiled callers would not look up).
-#: The store's row encodings (records.py) join them: every durable message is encoded there on the loop, and every
-#: paged-in one decoded; the rest of gateway/store drives LMDB and its writer thread, and stays Python.
+#: The store's row encodings (records.py) and open batch (open_batch.py) join them: every durable message is encoded
+#: and recorded there on the loop, and every paged-in one decoded; the rest of gateway/store drives LMDB, the event
+#: loop and the writer thread, and stays Python.
 #: gateway/native.py lists the same modules as COMPILED_MODULES.
 _PLAIN = ("__init__.py", "native_classes.py", "timers.py")
 COMPILED = [
@@ -39,6 +40,7 @@ COMPILED = [
       for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
     *sorted(f"gateway/broker/{p.name}" for p in (HERE / "gateway" / "broker").glob("*.py") if p.name not in _PLAIN),
     "gateway/store/records.py",
+    "gateway/store/open_batch.py",
 ]  # fmt: skip
 #: The name of the shared library the modules' own extension stubs load: inside the gateway package, not at the top
 #: level of site-packages.

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.broker.message import Delivery
-from gateway.broker.store_port import DURABLE, ORDER, OWN
 from gateway.store import records as rec
+from gateway.store.open_batch import Q_SENT, OpenBatch
 from gateway.store.settings import StoreSettings
-from gateway.store.writer import _Q_SENT, LmdbWriter
+from gateway.store.writer import LmdbWriter
 
 log = logging.getLogger("gateway.store")
 
@@ -57,25 +57,97 @@ class CommitBatches(LmdbWriter):
         #: before that commit's barrier is reported: the broker closes their connections so that nothing of
         #: theirs is acknowledged (``Broker.store_change_failed``).
         self.on_change_failed: Callable[[set[str]], None] | None = None
-        self._ops: list[tuple[Any, ...]] = []
-        #: Sends of stored deliveries whose row is not patched yet, by seq: (client id, delivery). Turned into
-        #: _Q_SENT operations when the batch is handed over; a delivery deleted before that needs none.
-        self._sent: dict[int, tuple[str, Delivery]] = {}
-        #: A change was recorded since the last commit barrier (the barrier's answer: OWN or ORDER).
-        self._changed = False
-        self._barrier = 0  # the open batch's last commit barrier (0: none)
-        self._inflight: deque[int] = deque()  # the last barrier of each batch in flight (0: none)
-        self._submit_scheduled = False
+        #: The open batch (compiled with the core: the store's per-message operations are its methods).
+        self._open = OpenBatch(self._schedule, self._bring_forward)
         self._group_commit = settings.group_commit
-        self._lazy: asyncio.TimerHandle | None = None  # a submit of changes nobody waits for, not yet due
+        self._lazy_handle: asyncio.TimerHandle | None = None
+        self._open.eager = not self._group_commit
+        #: Commit barrier ``barrier`` after everything recorded so far (the port's ``SessionStore.barrier``; the
+        #: open batch's own, compiled: :meth:`~gateway.store.open_batch.OpenBatch.barrier`).
+        self.barrier: Callable[[int], int] = self._open.barrier
         # Every queue row with a seq <= this was committed, except those reported to on_queue_rows_lost first.
         self.committed_seq = 0
         self._inflight_seq: deque[int] = deque()
-        self._seq = 1  # the next queue (or outbox) row's store sequence number
-        self._next_mid_hint = 1
-        self._prefixes: dict[str, bytes] = {}  # client id -> its key prefix
-        self._long_names: dict[bytes, str] = {}  # hashed key part -> the client id it stands for
         self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
+
+    # The open batch's state, as the rest of the store reads and writes it (once per batch or per rarer change).
+    @property
+    def _ops(self) -> list[tuple[Any, ...]]:
+        return self._open.ops
+
+    @_ops.setter
+    def _ops(self, ops: list[tuple[Any, ...]]) -> None:
+        self._open.ops = ops
+
+    @property
+    def _sent(self) -> dict[int, tuple[str, Delivery]]:
+        return self._open.sent
+
+    @_sent.setter
+    def _sent(self, sent: dict[int, tuple[str, Delivery]]) -> None:
+        self._open.sent = sent
+
+    @property
+    def _changed(self) -> bool:
+        return self._open.changed
+
+    @_changed.setter
+    def _changed(self, changed: bool) -> None:
+        self._open.changed = changed
+
+    @property
+    def _submit_scheduled(self) -> bool:
+        return self._open.submit_scheduled
+
+    @_submit_scheduled.setter
+    def _submit_scheduled(self, scheduled: bool) -> None:
+        self._open.submit_scheduled = scheduled
+
+    @property
+    def _seq(self) -> int:
+        """The next queue (or outbox) row's store sequence number."""
+        return self._open.seq
+
+    @_seq.setter
+    def _seq(self, seq: int) -> None:
+        self._open.seq = seq
+
+    @property
+    def _next_mid_hint(self) -> int:
+        return self._open.next_mid_hint
+
+    @_next_mid_hint.setter
+    def _next_mid_hint(self, mid: int) -> None:
+        self._open.next_mid_hint = mid
+
+    @property
+    def _barrier(self) -> int:
+        """The open batch's last commit barrier (0: none)."""
+        return self._open.barrier_id
+
+    @_barrier.setter
+    def _barrier(self, barrier: int) -> None:
+        self._open.barrier_id = barrier
+
+    @property
+    def _inflight(self) -> deque[int]:
+        """The last barrier of each batch in flight (0: none)."""
+        return self._open.inflight
+
+    @property
+    def _lazy(self) -> asyncio.TimerHandle | None:
+        """A submit of changes nobody waits for, not yet due (a barrier brings it forward)."""
+        return self._lazy_handle
+
+    @_lazy.setter
+    def _lazy(self, handle: asyncio.TimerHandle | None) -> None:
+        self._lazy_handle = handle
+        self._open.eager = handle is not None or not self._group_commit
+
+    @property
+    def _long_names(self) -> dict[bytes, str]:
+        """Hashed key part -> the client id it stands for."""
+        return self._open.long_names
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_batch_done: Callable[[], None] | None = None) -> None:
         """Bind to the event loop that records changes and gets the commit reports."""
@@ -185,49 +257,17 @@ class CommitBatches(LmdbWriter):
         self._changed = False
         if self._sent:
             prefix, u64 = self._prefix, rec.u64
-            ops.extend((_Q_SENT, prefix(cid) + u64(seq), d.packet_id, d.state) for seq, (cid, d) in self._sent.items())
+            ops.extend((Q_SENT, prefix(cid) + u64(seq), d.packet_id, d.state) for seq, (cid, d) in self._sent.items())
             self._sent = {}
         return ops
 
     def _record(self, op: tuple[Any, ...]) -> None:
-        self._ops.append(op)
-        self._changed = True
-        if not self._submit_scheduled:
-            self._schedule()
+        self._open.record(op)
 
     def _prefix(self, client_id: str) -> bytes:
         """The key prefix of ``client_id``'s rows (``records.client_prefix``), cached; a hashed one is remembered
         with its client id (to name the owner of a change that fails, :meth:`_owner_ids`)."""
-        prefix = self._prefixes.get(client_id)
-        if prefix is None:
-            if len(self._prefixes) >= 10_000:
-                self._prefixes.clear()
-            prefix = self._prefixes[client_id] = rec.client_prefix(client_id)
-            if len(prefix) > rec.NAME_MAX + 1:
-                if len(self._long_names) >= 10_000:
-                    self._long_names.clear()
-                self._long_names[prefix[:-1]] = client_id
-        return prefix
-
-    def barrier(self, barrier: int) -> int:
-        """Commit barrier ``barrier`` after everything recorded so far (the port's ``SessionStore.barrier``): it
-        joins the open batch, or with nothing open the last batch in flight (to keep the order), and is reported
-        when that batch lands. DURABLE (nothing open or in flight: not reported), OWN or ORDER (changes recorded
-        since the previous barrier or not)."""
-        changed = self._changed
-        if changed or self._ops or self._sent:
-            self._changed = False
-            self._barrier = barrier
-            if self._lazy is not None or not self._group_commit:
-                self._bring_forward()
-            return OWN if changed else ORDER
-        if self._barrier:
-            self._barrier = barrier  # cannot happen: an open barrier has open changes
-            return ORDER
-        if self._inflight:
-            self._inflight[-1] = barrier  # reported with the batch being written, after its own barrier
-            return ORDER
-        return DURABLE
+        return self._open.prefix(client_id)
 
     def _bring_forward(self) -> None:
         """A barrier joined the open batch: without group commit, hand it over now; else commit at the end of this

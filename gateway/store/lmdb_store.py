@@ -94,8 +94,6 @@ from gateway.store.writer import (
     _OB_DEL,
     _OB_PUT,
     _PUT,
-    _Q_DEL,
-    _Q_PUT,
     _RET_DEL,
     _RET_PUT,
     _SESS_DEL,
@@ -127,6 +125,13 @@ class LmdbStore(CommitBatches):
             back on replaces them).
     """
 
+    #: A stored delivery is new or was sent (``SessionStore.delivery_saved``; gateway/store/open_batch.py).
+    delivery_saved: Callable[[str, Delivery], None]
+    #: A stored delivery is gone (``SessionStore.delivery_deleted``).
+    delivery_deleted: Callable[[str, Delivery], None]
+    #: A run of stored deliveries is gone (``SessionStore.deliveries_deleted``).
+    deliveries_deleted: Callable[[str, list[Delivery]], None]
+
     def __init__(self, settings: StoreSettings, limits_for: Callable[[], ZoneLimits] = ZoneLimits) -> None:
         super().__init__(settings)
         self.limits_for = limits_for
@@ -139,7 +144,12 @@ class LmdbStore(CommitBatches):
         #: :class:`~gateway.store.loading.LoadProgress`): the runner logs it and tells systemd, the tools draw a bar.
         self.on_load_progress: Callable[[LoadProgress], None] | None = None
         self._hashed_keys = True  # False while reading a format 1/2 store as it is (tools)
-        self._enc: tuple[int, bytes] = (0, b"")  # the last message record encoded on the loop, by mid
+        # The port's per-message queue operations are the open batch's own (compiled) methods, so the core calls
+        # them without an interpreted frame between: SessionStore.delivery_saved, delivery_deleted,
+        # deliveries_deleted.
+        self.delivery_saved = self._open.delivery_saved
+        self.delivery_deleted = self._open.delivery_deleted
+        self.deliveries_deleted = self._open.deliveries_deleted
         self._outbox_loaded: dict[bytes, list[OutboxRecord]] = {}  # by the link's key part (records.name_key)
         self._lock_fd: int | None = None
         limit = settings.max_size
@@ -345,8 +355,7 @@ class LmdbStore(CommitBatches):
 
     def note_mid(self, mid: int) -> None:
         """Remember the newest message id so ``next_mid`` survives restarts."""
-        if mid >= self._next_mid_hint:
-            self._next_mid_hint = mid + 1
+        self._open.note_mid(mid)
 
     def session_saved(self, session: Session) -> None:
         key = self._prefix(session.client_id)[:-1]
@@ -361,52 +370,6 @@ class LmdbStore(CommitBatches):
 
     def subscription_deleted(self, client_id: str, key: str) -> None:
         self._record((_DEL, self.tables.subs, self._prefix(client_id) + rec.name_key(key)))
-
-    def delivery_saved(self, client_id: str, delivery: Delivery) -> None:
-        seq = delivery.seq
-        if seq:
-            # The row exists (or is recorded before this): only its Packet Identifier and state change, recorded
-            # when the batch is handed over, unless the delivery is deleted first (acknowledged at once).
-            self._sent[seq] = (client_id, delivery)
-            self._changed = True
-        else:
-            seq = delivery.seq = self._seq
-            self._seq = seq + 1
-            message = delivery.message  # a new row takes a reference to its message
-            mid = message.mid
-            if mid >= self._next_mid_hint:
-                self._next_mid_hint = mid + 1
-            enc = self._enc
-            if enc[0] != mid:
-                # Encoded here, not on the writer thread: a commit is the publishers' critical path.
-                enc = self._enc = (mid, rec.encode_message(message))
-            self._ops.append((_Q_PUT, self._prefix(client_id) + rec.u64(seq), rec.encode_delivery(delivery), message,
-                              enc[1]))
-            self._changed = True
-        if not self._submit_scheduled:
-            self._schedule()
-
-    def delivery_deleted(self, client_id: str, delivery: Delivery) -> None:
-        seq = delivery.seq
-        if seq:
-            if self._sent:
-                self._sent.pop(seq, None)
-            self._record((_Q_DEL, self._prefix(client_id) + rec.u64(seq)))
-
-    def deliveries_deleted(self, client_id: str, deliveries: list[Delivery]) -> None:
-        prefix = self._prefix(client_id)
-        sent = self._sent
-        ops = self._ops
-        u64 = rec.u64
-        for delivery in deliveries:
-            seq = delivery.seq
-            if seq:
-                if sent:
-                    sent.pop(seq, None)
-                ops.append((_Q_DEL, prefix + u64(seq)))
-                self._changed = True
-        if not self._submit_scheduled:
-            self._schedule()
 
     def inbound_saved(self, client_id: str, packet_id: int, message: Message) -> None:
         self.note_mid(message.mid)

@@ -40,6 +40,18 @@ import lmdb
 
 from gateway.broker.message import Message
 from gateway.store import records as rec
+from gateway.store.open_batch import DEL as _DEL
+from gateway.store.open_batch import IN_DEL as _IN_DEL
+from gateway.store.open_batch import IN_PUT as _IN_PUT
+from gateway.store.open_batch import OB_DEL as _OB_DEL
+from gateway.store.open_batch import OB_PUT as _OB_PUT
+from gateway.store.open_batch import PUT as _PUT
+from gateway.store.open_batch import Q_DEL as _Q_DEL
+from gateway.store.open_batch import Q_PUT as _Q_PUT
+from gateway.store.open_batch import Q_SENT as _Q_SENT
+from gateway.store.open_batch import RET_DEL as _RET_DEL
+from gateway.store.open_batch import RET_PUT as _RET_PUT
+from gateway.store.open_batch import SESS_DEL as _SESS_DEL
 from gateway.store.settings import StoreSettings
 from gateway.store.tables import DB_NAMES, Tables
 
@@ -49,17 +61,7 @@ _INITIAL_MAP = 32 * 1024 * 1024  # bytes: the map of a new store (it doubles as 
 _AHEAD = 4 * 1024 * 1024  # bytes of written space kept past LMDB's last page (see LmdbWriter._preallocate)
 _ZEROS = bytes(1024 * 1024)
 
-# Operations, recorded by the store's typed operations on the loop, applied in order by _apply:
-#   (_PUT, table, key, value), (_DEL, table, key)            sessions, subs, meta
-#   (_Q_PUT, key, delivery record, Message, message record)  a new queue row (takes a reference to its message)
-#   (_Q_DEL, key), (_Q_SENT, key, packet_id, state)          a queue row deleted, or patched after a send
-#   (_IN_PUT, key, inbound record, Message), (_IN_DEL, key)  inbound QoS 2 rows
-#   (_RET_PUT, key, Message), (_RET_DEL, key)                retained messages
-#   (_OB_PUT, key, outbox record, Message), (_OB_DEL, key)   upstream outbox rows (gateway/upstream/)
-#   (_SESS_DEL, client id)                                    a session with its subscription, queue, inbound rows
-_PUT, _DEL, _Q_PUT, _Q_DEL, _IN_PUT, _IN_DEL, _RET_PUT, _RET_DEL, _SESS_DEL = range(9)
-_OB_PUT, _OB_DEL = 9, 10
-_Q_SENT = 11  # the row's Packet Identifier and state, patched in place (records.patch_delivery)
+# The operations a batch holds, applied in order by _apply, are listed in gateway/store/open_batch.py.
 #: The table each operation but _PUT, _DEL and _SESS_DEL changes (those carry their table, or several).
 _OP_TABLES = {_Q_PUT: "queue", _Q_DEL: "queue", _Q_SENT: "queue", _IN_PUT: "inbound", _IN_DEL: "inbound",
               _RET_PUT: "retained", _RET_DEL: "retained", _OB_PUT: "outbox", _OB_DEL: "outbox"}
