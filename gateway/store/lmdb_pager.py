@@ -46,21 +46,11 @@ class LmdbPager:
         store = self.store
         assert store.env is not None
         prefix = self.prefix
-        start = len(prefix)
-        out: list[Delivery] = []
         messages, queue_db = store.tables.messages, store.tables.queue
         with store.map_lock, store.env.begin() as txn:
             cursor = txn.cursor(db=queue_db)
             if not cursor.set_range(prefix + rec.u64(after + 1)):
-                return out
-            decode, carries, from_u64 = rec.decode_queued, rec.carries_message, rec.from_u64
-            last = prefix + rec.u64(upto)  # keys sort as (client, seq): past this one is past the range
-            for _, (key, value) in zip(range(limit), cursor.iternext(), strict=False):
-                if key > last:
-                    break
-                if carries(value):
-                    out.append(decode(value, from_u64(key, start)))
-                else:
-                    # The record starts with the mid, as the message row's key is made.
-                    out.append(decode(value, from_u64(key, start), txn.get(value[:8], db=messages)))
-        return out
+                return []
+            # Keys sort as (client, seq): past prefix + upto is past the range.
+            return rec.decode_queue_rows(cursor.iternext(), len(prefix), prefix + rec.u64(upto), limit,
+                                         lambda mid: txn.get(mid, db=messages))

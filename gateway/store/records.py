@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterator
 
 from gateway.broker.message import NO_IDS, Delivery, Message
 from gateway.broker.session_state import Session
@@ -220,6 +221,29 @@ def decode_queued(value: bytes, seq: int, stored: bytes | None = None) -> Delive
         message = Message(mid, "", b"", 0, False, NO_PROPERTIES, 0.0)
         dropped = True
     return Delivery(message, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at), dropped, seq)
+
+
+def decode_queue_rows(rows: Iterator[tuple[bytes, bytes]], start: int, last: bytes, limit: int,
+                      stored: Callable[[bytes], bytes | None]) -> list[Delivery]:
+    """Up to ``limit`` queue rows of one session from ``rows`` (``(key, value)`` in key order, from the first
+    wanted), up to and including key ``last``, each with its message (:func:`decode_queued`): the one the row
+    carries, else ``stored(mid)`` (the ``messages`` row by its 8-byte key). ``start`` is the length of the
+    session's key prefix (the seq follows it). The paging hot path, one pass over LMDB's cursor."""
+    out: list[Delivery] = []
+    if limit <= 0:
+        return out
+    for key, value in rows:
+        if key > last:
+            break
+        seq = from_u64(key, start)
+        if carries_message(value):
+            out.append(decode_queued(value, seq))
+        else:
+            # The record starts with the mid, as the message row's key is made.
+            out.append(decode_queued(value, seq, stored(value[:8])))
+        if len(out) >= limit:
+            break
+    return out
 
 
 def carries_message(data: bytes) -> bool:
