@@ -169,9 +169,9 @@ def _with_target_core(wheel: Path, target_built: Path, dest: Path) -> Path | str
         for path in _compiled_files(ours):
             path.unlink()
         for path in _compiled_files(theirs):
-            relative = path.relative_to(theirs)
-            (ours / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, ours / relative)
+            inside = ours / path.relative_to(theirs)
+            inside.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, inside)
         (meta,) = theirs.glob("*.dist-info/WHEEL")
         tags = [ln.split(":", 1)[1].strip() for ln in meta.read_text().splitlines() if ln.startswith("Tag:")]
         return _pack(ours, tags, purelib=False, dest=dest)
