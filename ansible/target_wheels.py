@@ -221,8 +221,9 @@ def build(wheels: Path, out: Path, debian_arch: str, python: str, glibc: str, co
                 for candidate in target_built:
                     result = _with_target_core(wheel, candidate, tmp)
                     if isinstance(result, Path):
-                        manifest["substitutes"][name] = (f"{result.name} (its MQTT codec and broker core compiled for "
-                                                         f"{machine} in {candidate.name})")  # fmt: skip
+                        manifest["substitutes"][name] = (f"{result.name} (the controller's wheel with the compiled "
+                                                         f"MQTT codec and broker core of {candidate.name}, built on "
+                                                         f"{machine})")  # fmt: skip
                         manifest["core"] = f"compiled for {machine}"
                         break
                     why = result
