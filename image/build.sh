@@ -213,8 +213,10 @@ if [ "$ARCH" != "$(dpkg --print-architecture)" ] && [ "${IMAGE_COMPILED_CORE:-1}
             chroot "$wroot" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
                 sh -c "apt-get update -qq && apt-get install -y -qq --no-install-recommends ${WHEELROOT_PACKAGES[*]} \
                        && apt-get clean && rm -rf /var/lib/apt/lists/*" >> "$core_log" 2>&1 \
-                || { echo "apt-get install ${WHEELROOT_PACKAGES[*]} failed in the wheel root" >> "$core_log"; return 1; }
-            tar --xattrs --xattrs-include='*' --numeric-owner -C "$wroot" -cf "$wbase.part" . && mv "$wbase.part" "$wbase"
+                || { echo "apt-get install ${WHEELROOT_PACKAGES[*]} failed in the wheel root" >> "$core_log"
+                     return 1; }
+            tar --xattrs --xattrs-include='*' --numeric-owner -C "$wroot" -cf "$wbase.part" . \
+                && mv "$wbase.part" "$wbase"
         fi
         mkdir -p "$wroot/build/wheelhouse" "$wroot/build/out" "$wroot/build/check"
         cp -a "$src" "$wroot/build/src"
@@ -228,7 +230,8 @@ print("\n".join([*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["re
         read -r python glibc < <(chroot "$wroot" /usr/bin/python3 -c \
             'import platform, sys; print("%d.%d" % sys.version_info[:2], platform.libc_ver()[1])')
         for n in $(seq "${glibc#2.}" -1 17); do platforms+=(--platform "manylinux_2_${n}_$QEMU_CPU"); done
-        "$VENV_BIN/python" -m pip download -q --only-binary=:all: "${platforms[@]}" --platform "manylinux2014_$QEMU_CPU" \
+        "$VENV_BIN/python" -m pip download -q --only-binary=:all: \
+            "${platforms[@]}" --platform "manylinux2014_$QEMU_CPU" \
             --python-version "$python" --implementation cp --abi "cp${python/./}" --abi abi3 --abi none \
             -d "$wroot/build/wheelhouse" "${requires[@]}" >> "$core_log" 2>&1 \
             || { echo "pip download ${requires[*]} for $QEMU_CPU failed" >> "$core_log"; return 1; }
@@ -238,16 +241,21 @@ print("\n".join([*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["re
         chroot "$wroot" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
             EDGE_GATEWAY_COMPILE=1 SOURCE_DATE_EPOCH=315532800 PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 \
             PIP_FIND_LINKS=/build/wheelhouse PIP_DISABLE_PIP_VERSION_CHECK=1 \
-            sh -c 'python3 -m venv /build/venv && /build/venv/bin/pip wheel --no-deps --wheel-dir /build/out /build/src' \
+            sh -c 'python3 -m venv /build/venv &&
+                   exec /build/venv/bin/pip wheel -v --no-deps --wheel-dir /build/out /build/src' \
             2>&1 | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done >> "$core_log"
         [ "${PIPESTATUS[0]}" = 0 ] || { echo "pip wheel failed" >> "$core_log"; return 1; }
         log "pip wheel: $((SECONDS - t0)) s"
         built=$(find "$wroot/build/out" -name 'edge_gateway-*.whl')
-        case "$built" in
-            *"-linux_$QEMU_CPU.whl") ;;
-            *) echo "the build made no compiled wheel (${built##*/}): $(grep -o 'edge-gateway build: .*' "$core_log" \
-                   | tail -1)" >> "$core_log"; return 1 ;;
-        esac
+        # setup.py falls back to the .py files when compiling fails, and says why (its "edge-gateway build:" warning,
+        # which pip -v passes on): a wheel without the shared library is no compiled core.
+        if [ -z "$built" ] || ! "$VENV_BIN/python" -c 'import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+sys.exit(not any(n.startswith("gateway/_core__mypyc.") and n.endswith(".so") for n in names))' \
+                "$built"; then
+            echo "the build compiled nothing: $(grep -o 'edge-gateway build: .*' "$core_log" | tail -1)" >> "$core_log"
+            return 1
+        fi
         # The compiled modules must load in the root's Python, as the installed broker would load them.
         (cd "$wroot/build/check" && "$VENV_BIN/python" -m zipfile -e "$built" .)
         chroot "$wroot" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONPATH=/build/check /usr/bin/python3 -c '
