@@ -171,7 +171,9 @@ fuzz: venv
 # the Raspberry Pi / arm64 image, built with qemu-user (binfmt_misc registered for the build only) and booted under
 # qemu-system-aarch64 -M virt through U-Boot (u-boot-qemu's qemu_arm64 as its firmware, the image's boot.scr; not in make
 # test: about 22 min to build, 11 with the base cached, and 6 min to boot, check and cut the power 3 times on this
-# 2-core machine: README "The arm64 image"). `make image-test` rebuilds the image first; image/boot-test.sh boots a
+# 2-core machine: README "The arm64 image"). Its MQTT codec and broker core are compiled for arm64 under qemu-user in a
+# second cached root (the base plus gcc; the image's root gets none): about 18 min more whenever the core's sources
+# change, cached otherwise (docs/compiled.md); `edge-gateway version --verbose` in the image says `core: compiled`. `make image-test` rebuilds the image first; image/boot-test.sh boots a
 # built one again (IMAGE_ARCH=arm64).
 # `make image-powercut RUNS=20`: the power-cut soak (RUNS SIGKILLs of qemu mid-stream, one boot each).
 ARCH ?= amd64

@@ -158,6 +158,138 @@ else
     log "base system: cached $base"
 fi
 
+# ---------------------------------------------------------------------------------------------- 1b. compiled core
+# The playbook, the wheels and a foreign architecture's compiled core come from a snapshot of the working tree taken
+# now (tracked and untracked files, not the ignored ones): every step sees the same sources, and the second
+# provisioning run must change nothing.
+src="$OUT/src-$ARCH"
+rm -rf "$src"
+mkdir -p "$src"
+git -C "$ROOT_DIR" ls-files -z --cached --others --exclude-standard \
+    | tar -C "$ROOT_DIR" --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$src" -xf -
+wheels="$OUT/wheels-$ARCH"  # the controller's wheels: the playbook's first play builds them, target_wheels.py reads
+mkdir -p "$wheels"
+# The playbook builds the controller's edge-gateway wheel again; one left by an earlier build under another tag
+# (pure before a compiler was there) must not stand beside it.
+rm -f "$wheels"/edge_gateway-*.whl
+# The MQTT codec and the broker core compiled by mypyc for a foreign ARCH (docs/compiled.md "Images and other
+# architectures"): the controller's wheel is compiled for the controller. `pip wheel --no-deps` of the snapshot runs
+# under qemu-user in a second cached root, the base plus a C compiler and Python's headers (the image's own root
+# gets no compiler), and its wheel goes beside the controller's, where target_wheels.py takes its compiled modules
+# for the target. Kept in core-ARCH-KEY/, keyed by the base and every file that decides the compiled output, so
+# an unchanged core is not compiled again. The build requirements (setuptools, mypy and theirs, aarch64 wheels) are
+# fetched on this machine with its pip configuration, as target_wheels.py fetches the target's wheels: pip in the
+# root runs without an index. A failure of any of it leaves the image with the pure-Python core and says why;
+# IMAGE_COMPILED_CORE=0 skips it.
+if [ "$ARCH" != "$(dpkg --print-architecture)" ] && [ "${IMAGE_COMPILED_CORE:-1}" = 1 ]; then
+    stage core
+    CORE_RECIPE=1  # bump when the build below changes
+    WHEELROOT_PACKAGES=(gcc libc6-dev python3-dev python3-venv)
+    core_key=$( { printf '%s\n' "$CORE_RECIPE" "$key" "${WHEELROOT_PACKAGES[@]}"
+                  cd "$src" && find setup.py pyproject.toml build_backend gateway/__init__.py gateway/mqtt \
+                      gateway/broker gateway/store -name '*.py' -o -name '*.toml' 2>/dev/null \
+                  | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -c1-16)
+    core_dir="$OUT/core-$ARCH-$core_key"
+    core_log="$OUT/core-$ARCH.log"
+    core_failed() {  # core_failed WHY: the image gets the pure-Python core
+        log "compiled core for $ARCH: $1; the image runs the pure-Python codec and core (log: $core_log)"
+        return 0
+    }
+    build_core() {  # the wheel into $core_dir, or return 1 with the reason in $core_log
+        local wroot="$OUT/wheelroot-$ARCH" wkey wbase built
+        wkey=$(printf '%s\n' "$key" "${WHEELROOT_PACKAGES[@]}" | sha256sum | cut -c1-16)
+        wbase="$OUT/wheelroot-$ARCH-$wkey.tar"
+        rm -rf "$wroot"
+        mkdir -p "$wroot"
+        if [ -f "$wbase" ]; then
+            log "wheel root: cached $wbase"
+            tar --xattrs --xattrs-include='*' --numeric-owner -xpf "$wbase" -C "$wroot"
+        else
+            rm -f "$OUT"/wheelroot-"$ARCH"-*.tar
+            log "wheel root: the base plus ${WHEELROOT_PACKAGES[*]} (apt-get under qemu-user)"
+            tar --xattrs --xattrs-include='*' --numeric-owner -xpf "$base" -C "$wroot"
+            cp -L /etc/resolv.conf "$wroot/etc/resolv.conf"
+            # env -i: nothing of this machine's environment (its pip settings, its PATH) reaches the root
+            chroot "$wroot" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
+                sh -c "apt-get update -qq && apt-get install -y -qq --no-install-recommends ${WHEELROOT_PACKAGES[*]} \
+                       && apt-get clean && rm -rf /var/lib/apt/lists/*" >> "$core_log" 2>&1 \
+                || { echo "apt-get install ${WHEELROOT_PACKAGES[*]} failed in the wheel root" >> "$core_log"
+                     return 1; }
+            tar --xattrs --xattrs-include='*' --numeric-owner -C "$wroot" -cf "$wbase.part" . \
+                && mv "$wbase.part" "$wbase"
+        fi
+        mkdir -p "$wroot/build/wheelhouse" "$wroot/build/out" "$wroot/build/check"
+        cp -a "$src" "$wroot/build/src"
+        # What pip needs to build the wheel: [build-system] requires and, for EDGE_GATEWAY_COMPILE=1, the build
+        # backend's mypy (build_backend/edge_gateway_build.py), as wheels for the root's machine and Python.
+        local requires python glibc platforms=()
+        mapfile -t requires < <(cd "$src" && "$VENV_BIN/python" -c 'import sys, tomllib
+sys.path.insert(0, "build_backend"); import edge_gateway_build as b
+print("\n".join([*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], b.MYPY]))' 2>>"$core_log")
+        [ "${#requires[@]}" -gt 0 ] || { echo "cannot read the build requirements" >> "$core_log"; return 1; }
+        read -r python glibc < <(chroot "$wroot" /usr/bin/python3 -c \
+            'import platform, sys; print("%d.%d" % sys.version_info[:2], platform.libc_ver()[1])')
+        for n in $(seq "${glibc#2.}" -1 17); do platforms+=(--platform "manylinux_2_${n}_$QEMU_CPU"); done
+        "$VENV_BIN/python" -m pip download -q --only-binary=:all: \
+            "${platforms[@]}" --platform "manylinux2014_$QEMU_CPU" \
+            --python-version "$python" --implementation cp --abi "cp${python/./}" --abi abi3 --abi none \
+            -d "$wroot/build/wheelhouse" "${requires[@]}" >> "$core_log" 2>&1 \
+            || { echo "pip download ${requires[*]} for $QEMU_CPU failed" >> "$core_log"; return 1; }
+        log "pip wheel --no-deps of the snapshot under qemu-user (EDGE_GATEWAY_COMPILE=1, build requirements:" \
+            "$(cd "$wroot/build/wheelhouse" && echo *.whl))"
+        local t0=$SECONDS
+        chroot "$wroot" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+            EDGE_GATEWAY_COMPILE=1 SOURCE_DATE_EPOCH=315532800 PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 \
+            PIP_FIND_LINKS=/build/wheelhouse PIP_DISABLE_PIP_VERSION_CHECK=1 \
+            sh -c 'python3 -m venv /build/venv &&
+                   exec /build/venv/bin/pip wheel -v --no-deps --wheel-dir /build/out /build/src' \
+            2>&1 | while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done >> "$core_log"
+        [ "${PIPESTATUS[0]}" = 0 ] || { echo "pip wheel failed" >> "$core_log"; return 1; }
+        log "pip wheel: $((SECONDS - t0)) s"
+        built=$(find "$wroot/build/out" -name 'edge_gateway-*.whl')
+        # setup.py falls back to the .py files when compiling fails, and says why (its "edge-gateway build:" warning,
+        # which pip -v passes on): a wheel without the shared library is no compiled core.
+        if [ -z "$built" ] || ! "$VENV_BIN/python" -c 'import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+sys.exit(not any(n.startswith("gateway/_core__mypyc.") and n.endswith(".so") for n in names))' \
+                "$built"; then
+            echo "the build compiled nothing: $(grep -o 'edge-gateway build: .*' "$core_log" | tail -1)" >> "$core_log"
+            return 1
+        fi
+        # The compiled modules must load in the root's Python, as the installed broker would load them.
+        (cd "$wroot/build/check" && "$VENV_BIN/python" -m zipfile -e "$built" .)
+        chroot "$wroot" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONPATH=/build/check /usr/bin/python3 -c '
+import sys
+from gateway import native
+core = native.select()
+print("core:", core.describe(), flush=True)
+import gateway.broker.broker, gateway.mqtt.packets
+sys.exit(0 if core.compiled and not gateway.broker.broker.__file__.endswith(".py") else 1)' >> "$core_log" 2>&1 \
+            || { echo "the compiled modules do not load in the root's Python: $(tail -1 "$core_log")" >> "$core_log"
+                 return 1; }
+        rm -rf "$core_dir.part"
+        mkdir -p "$core_dir.part"
+        cp "$built" "$core_dir.part/"
+        mv "$core_dir.part" "$core_dir"
+        rm -rf "$wroot"
+    }
+    if [ -d "$core_dir" ]; then
+        log "compiled core for $ARCH: cached $(echo "$core_dir"/*.whl)"
+    else
+        rm -rf "$OUT"/core-"$ARCH"-*/
+        : > "$core_log"
+        if build_core; then
+            log "compiled core for $ARCH: $(echo "$core_dir"/*.whl)"
+        else
+            core_failed "$(tail -1 "$core_log")"
+            rm -rf "$OUT/wheelroot-$ARCH"
+        fi
+    fi
+    if [ -d "$core_dir" ]; then
+        cp "$core_dir"/*.whl "$wheels/"
+    fi
+fi
+
 # ---------------------------------------------------------------------------------------------- 2. root filesystem
 stage rootfs
 rootfs="$OUT/rootfs-$ARCH"
@@ -193,13 +325,6 @@ fi
 
 # ---------------------------------------------------------------------------------------------- 3. provisioning
 stage provisioning
-# The playbook and the wheels come from a snapshot of the working tree taken now (tracked and untracked files, not
-# the ignored ones): both runs see the same sources, and the second one must change nothing.
-src="$OUT/src-$ARCH"
-rm -rf "$src"
-mkdir -p "$src"
-git -C "$ROOT_DIR" ls-files -z --cached --others --exclude-standard \
-    | tar -C "$ROOT_DIR" --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$src" -xf -
 export ANSIBLE_CONFIG="$src/ansible/ansible.cfg"
 export ANSIBLE_HOME="$OUT/ansible-home" ANSIBLE_LOCAL_TEMP="$OUT/ansible-home/tmp"
 export ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0 PATH="$VENV_BIN:$PATH"

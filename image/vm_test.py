@@ -3,7 +3,10 @@
 
 1. Boot 1: the probe (image/probe/probe.sh) checks the running appliance and reports over the serial console: the
    broker is active after READY=1, a QoS 1 round trip, firmware-bridge reading a pty simulator, a hung broker killed
-   by the watchdog and restarted, the bridge surviving that. Every check must print PASS.
+   by the watchdog and restarted, the bridge surviving that. Every check must print PASS. It also reports which MQTT
+   codec and broker core the install runs (``edge-gateway version --verbose``), which must be the compiled one when
+   the edge-gateway wheel the image was provisioned from holds compiled modules (the amd64 controller's wheel; for
+   arm64 the one image/build.sh compiles under qemu-user), and the .py files when it holds none.
 2. Power cuts (``--power-cuts N``, 3 in ``make image-test``): the probe then serves the broker's loopback listener
    on the guest's 0.0.0.0:1885, which qemu's user network forwards from 127.0.0.1:PORT on this host only
    (``hostfwd``; ``restrict=on``: the guest reaches nothing else). A client here subscribes once to
@@ -54,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -480,8 +484,20 @@ def drain(port: int, cut: Cut, seconds: float, scale: int) -> None:
     client.loop_stop()
 
 
-def boot_checks(vm: Vm, failures: list[str]) -> None:
-    """Every check of the full probe printed PASS, none FAIL."""
+def expected_core(out: Path, arch: str) -> str | None:
+    """What ``edge-gateway version --verbose`` must say in the image, from the edge-gateway wheel its provisioning
+    installed (ansible/target_wheels.py's output for the image's root, wheels-ARCH-ARCH-pyX.Y): ``compiled`` when
+    that wheel holds compiled modules, ``pure Python`` when it does not, None when there is no such wheel here."""
+    wheels = sorted(out.glob(f"wheels-{arch}-{arch}-py*/edge_gateway-*.whl"))
+    if len(wheels) != 1:
+        return None
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        compiled = any(name.startswith("gateway/_core__mypyc.") and name.endswith(".so") for name in wheel.namelist())
+    return "compiled" if compiled else "pure Python"
+
+
+def boot_checks(vm: Vm, failures: list[str], core: str | None) -> None:
+    """Every check of the full probe printed PASS, none FAIL; the core runs as the image's wheel says it can."""
     for check in CHECKS:
         if not any(line.startswith(f"PASS {check}") for line in vm.probe):
             failures.append(f"missing PASS {check}")
@@ -489,6 +505,11 @@ def boot_checks(vm: Vm, failures: list[str]) -> None:
     roots = [line for line in vm.probe if line.startswith("ROOT ")]
     if not roots or not re.search(r"\s(ro),", roots[0]):
         failures.append(f"the root file system is not mounted read-only: {roots[:1]}")
+    cores = [line.removeprefix("CORE ") for line in vm.probe if line.startswith("CORE")]
+    log(f"the image's MQTT codec and broker core: {cores[0] if cores else 'no CORE line'}"
+        + (f" (its edge-gateway wheel: {core})" if core else ""))
+    if core is not None and not (cores and cores[0].startswith(core)):
+        failures.append(f"the core runs {cores[:1] or 'unreported'}, where the image's edge-gateway wheel is {core}")
 
 
 def main() -> int:
@@ -558,7 +579,7 @@ def main() -> int:
             f"time limits x{arch.scale} (boot {args.boot_timeout:.0f} s)")
         vm.start()
         vm.wait_for("DONE", args.boot_timeout)
-        boot_checks(vm, failures)
+        boot_checks(vm, failures, expected_core(args.out, args.arch))
         if not args.power_cuts:
             rc = vm.wait_exit(120 * arch.scale)
             if rc != 0 and not arch.raspi:  # raspi3b: qemu has no power-off for the kernel to use; it is killed

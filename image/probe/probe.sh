@@ -162,6 +162,10 @@ if [ "$powercut" = again ]; then
     serve
 fi
 
+# Which MQTT codec and broker core the installed broker runs: mypyc's compiled modules or their .py files
+# (gateway/native.py; image/vm_test.py compares it with the edge-gateway wheel the image was provisioned from).
+say "CORE $(/opt/edge-gateway/bin/edge-gateway version --verbose 2>&1 | sed -n 's/^core: //p' | head -c 300)"
+
 # 2. A publish/subscribe round trip through the broker.
 if roundtrip probe/roundtrip; then
     pass "pubsub-roundtrip QoS 1 message from mosquitto_pub reached mosquitto_sub on 127.0.0.1:1884 (the internal loopback listener)"
