@@ -65,7 +65,7 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-            _say(f"compiling gateway/mqtt, gateway/broker and gateway/store/records.py failed "
+            _say(f"compiling gateway/mqtt, gateway/broker and the store's records.py and open_batch.py failed "
                  f"({type(exc).__name__}: {exc}); installing the pure-Python code")
             self._remove_outputs()
             return
