@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from gateway.broker.message import Delivery
 from gateway.store import records as rec
@@ -34,6 +34,22 @@ from gateway.store.settings import StoreSettings
 from gateway.store.writer import LmdbWriter
 
 log = logging.getLogger("gateway.store")
+
+_T = TypeVar("_T")
+
+
+class _OpenField(Generic[_T]):
+    """An attribute of the store that is its open batch's (``_open``) attribute ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, store: CommitBatches, owner: type | None = None) -> _T:
+        value: _T = getattr(store._open, self.name)
+        return value
+
+    def __set__(self, store: CommitBatches, value: _T) -> None:
+        setattr(store._open, self.name, value)
 
 
 class CommitBatches(LmdbWriter):
@@ -70,69 +86,17 @@ class CommitBatches(LmdbWriter):
         self._inflight_seq: deque[int] = deque()
         self.waiting_since = 0.0  # when the oldest batch still uncommitted was handed over
 
-    # The open batch's state, as the rest of the store reads and writes it (once per batch or per rarer change).
-    @property
-    def _ops(self) -> list[tuple[Any, ...]]:
-        return self._open.ops
-
-    @_ops.setter
-    def _ops(self, ops: list[tuple[Any, ...]]) -> None:
-        self._open.ops = ops
-
-    @property
-    def _sent(self) -> dict[int, tuple[str, Delivery]]:
-        return self._open.sent
-
-    @_sent.setter
-    def _sent(self, sent: dict[int, tuple[str, Delivery]]) -> None:
-        self._open.sent = sent
-
-    @property
-    def _changed(self) -> bool:
-        return self._open.changed
-
-    @_changed.setter
-    def _changed(self, changed: bool) -> None:
-        self._open.changed = changed
-
-    @property
-    def _submit_scheduled(self) -> bool:
-        return self._open.submit_scheduled
-
-    @_submit_scheduled.setter
-    def _submit_scheduled(self, scheduled: bool) -> None:
-        self._open.submit_scheduled = scheduled
-
-    @property
-    def _seq(self) -> int:
-        """The next queue (or outbox) row's store sequence number."""
-        return self._open.seq
-
-    @_seq.setter
-    def _seq(self, seq: int) -> None:
-        self._open.seq = seq
-
-    @property
-    def _next_mid_hint(self) -> int:
-        return self._open.next_mid_hint
-
-    @_next_mid_hint.setter
-    def _next_mid_hint(self, mid: int) -> None:
-        self._open.next_mid_hint = mid
-
-    @property
-    def _barrier(self) -> int:
-        """The open batch's last commit barrier (0: none)."""
-        return self._open.barrier_id
-
-    @_barrier.setter
-    def _barrier(self, barrier: int) -> None:
-        self._open.barrier_id = barrier
-
-    @property
-    def _inflight(self) -> deque[int]:
-        """The last barrier of each batch in flight (0: none)."""
-        return self._open.inflight
+    # The open batch's state, under the names the rest of the store reads and writes (once per batch or per rarer
+    # change; the per-message operations are the open batch's own methods).
+    _ops: _OpenField[list[tuple[Any, ...]]] = _OpenField("ops")
+    _sent: _OpenField[dict[int, tuple[str, Delivery]]] = _OpenField("sent")
+    _changed: _OpenField[bool] = _OpenField("changed")
+    _submit_scheduled: _OpenField[bool] = _OpenField("submit_scheduled")
+    _seq: _OpenField[int] = _OpenField("seq")  # the next queue (or outbox) row's store sequence number
+    _next_mid_hint: _OpenField[int] = _OpenField("next_mid_hint")
+    _barrier: _OpenField[int] = _OpenField("barrier_id")  # the open batch's last commit barrier (0: none)
+    _inflight: _OpenField[deque[int]] = _OpenField("inflight")  # the last barrier of each batch in flight
+    _long_names: _OpenField[dict[bytes, str]] = _OpenField("long_names")  # hashed key part -> its client id
 
     @property
     def _lazy(self) -> asyncio.TimerHandle | None:
@@ -143,11 +107,6 @@ class CommitBatches(LmdbWriter):
     def _lazy(self, handle: asyncio.TimerHandle | None) -> None:
         self._lazy_handle = handle
         self._open.eager = handle is not None or not self._group_commit
-
-    @property
-    def _long_names(self) -> dict[bytes, str]:
-        """Hashed key part -> the client id it stands for."""
-        return self._open.long_names
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_batch_done: Callable[[], None] | None = None) -> None:
         """Bind to the event loop that records changes and gets the commit reports."""
