@@ -30,9 +30,10 @@ HERE = Path(__file__).resolve().parent
 #: .py modules, gateway/native.py), gateway/broker/native_classes.py (it picks mypyc_attr at run time, which compiled
 #: code cannot) and gateway/broker/timers.py (a tick's deadlines, about once a second: the tests see which
 #: connections a tick checks by replacing timers.check, which compiled callers would not look up).
-#: The store's row encodings (records.py) and open batch (open_batch.py) join them: every durable message is encoded
-#: and recorded there on the loop, and every paged-in one decoded; the rest of gateway/store drives LMDB, the event
-#: loop and the writer thread, and stays Python.
+#: The store's row encodings (records.py), open batch (open_batch.py) and batch applier (applier.py) join them: every
+#: durable message is encoded and recorded there on the loop, applied to the write transaction on the writer thread,
+#: and every paged-in one decoded; the rest of gateway/store drives LMDB, the event loop and the writer thread, and
+#: stays Python.
 #: gateway/native.py lists the same modules as COMPILED_MODULES.
 _PLAIN = ("__init__.py", "native_classes.py", "timers.py")
 COMPILED = [
@@ -41,6 +42,7 @@ COMPILED = [
     *sorted(f"gateway/broker/{p.name}" for p in (HERE / "gateway" / "broker").glob("*.py") if p.name not in _PLAIN),
     "gateway/store/records.py",
     "gateway/store/open_batch.py",
+    "gateway/store/applier.py",
 ]  # fmt: skip
 #: The name of the shared library the modules' own extension stubs load: inside the gateway package, not at the top
 #: level of site-packages.
@@ -65,8 +67,8 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-            _say(f"compiling gateway/mqtt, gateway/broker and the store's records.py and open_batch.py failed "
-                 f"({type(exc).__name__}: {exc}); installing the pure-Python code")
+            _say(f"compiling gateway/mqtt, gateway/broker and the store's records.py, open_batch.py and applier.py "
+                 f"failed ({type(exc).__name__}: {exc}); installing the pure-Python code")
             self._remove_outputs()
             return
         # What gateway/native.py compares with the .py files beside the modules: an edited source makes it run the

@@ -35,7 +35,7 @@ from types import ModuleType
 PURE_ENV = "EDGE_GATEWAY_PURE"
 #: The modules setup.py compiles (its COMPILED list, which says why three modules stay Python): every module of
 #: gateway/mqtt and gateway/broker but the packages' __init__.py files, gateway/broker/native_classes.py and
-#: gateway/broker/timers.py, and gateway/store/records.py and open_batch.py.
+#: gateway/broker/timers.py, and gateway/store/records.py, open_batch.py and applier.py.
 COMPILED_MODULES = (
     *(f"gateway.mqtt.{name}"
       for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
@@ -46,6 +46,7 @@ COMPILED_MODULES = (
                    "session_state", "state", "store_port", "subscribe", "subscription_tree")),
     "gateway.store.records",
     "gateway.store.open_batch",
+    "gateway.store.applier",
 )  # fmt: skip
 #: The shared library the compiled modules' stubs load, and the record of the sources it was compiled from (paths
 #: relative to gateway/, e.g. ``mqtt/packets.py``).

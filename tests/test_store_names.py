@@ -266,7 +266,7 @@ def test_a_change_that_fails_alone_is_left_out_and_its_owners_reported_the_rest_
         assert {rec.session_id(k, v)[0] for k, v in sessions.items()} == {"a", "b", long_id}
         assert list(_rows(store, "subs")) == [rec.client_prefix("a") + b"t/#"]
         assert len(_rows(store, "queue")) == 2 and sorted(_rows(store, "messages")) == [rec.u64(1), rec.u64(3)]
-        assert list(_rows(store, "retained")) == [b"t/kept"] and store._refs == {1: 2}
+        assert list(_rows(store, "retained")) == [b"t/kept"] and store._applier.refs == {1: 2}
         assert not store.last_write_failed and store.has_room(None)
         # The reference counts are right: the shared message row goes with its last queue row.
         store.delivery_deleted("a", deliveries["a"])

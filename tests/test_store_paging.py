@@ -38,8 +38,9 @@ from gateway.broker.session_state import NEVER, Session
 from gateway.mqtt.packets import Disconnect, PingReq, PingResp, PubAck, Publish, Suback, Subscribe, Subscription
 from gateway.mqtt.properties import PropertyId as P
 from gateway.store import records as rec
+from gateway.store.applier import drop_superseded
 from gateway.store.lmdb_store import LmdbStore, StoreSettings
-from gateway.store.writer import _Q_DEL, _Q_SENT, _drop_superseded
+from gateway.store.writer import _Q_DEL, _Q_SENT
 
 
 class PagedSession:
@@ -404,7 +405,7 @@ def test_packet_identifier_record_left_out_when_the_same_commit_deletes_the_row(
     # second batch deletes.
     sent = [(_Q_SENT, b"sub\x00" + rec.u64(seq), seq, 0) for seq in (1, 2)]
     deleted = [(_Q_DEL, b"sub\x00" + rec.u64(1))]
-    assert _drop_superseded([*sent, *deleted]) == [sent[1], deleted[0]]
+    assert drop_superseded([*sent, *deleted]) == [sent[1], deleted[0]]
 
 
 def test_mqtt_3_1_2_11_paged_queue_kept_when_session_expiry_drops_to_0(paging_broker: BrokerProcess) -> None:

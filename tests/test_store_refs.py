@@ -134,7 +134,7 @@ class Store:
         assert queues == {cid: [d.message.mid for d in q] for cid, q in self.queues.items()}
         assert retained == {topic: m.mid for topic, m in self.retained.items()}
         assert rows == set(referenced)
-        assert self.store._refs == {mid: n for mid, n in referenced.items() if n > 1}
+        assert self.store._applier.refs == {mid: n for mid, n in referenced.items() if n > 1}
         self.inline = {mid for q in queues.values() for mid in q} - rows
 
     def close(self) -> None:
@@ -159,7 +159,7 @@ def test_message_rows_match_their_references(ops: list[tuple[object, ...]]) -> N
             for pick in range(4):
                 model.clear_retained(pick)
             model.check()
-            assert model.store._refs == {}
+            assert model.store._applier.refs == {}
         finally:
             model.close()
 
@@ -175,7 +175,7 @@ def test_a_message_for_one_session_is_stored_in_its_queue_row_and_shared_ones_on
         model.publish({"a"}, True)
         model.check()
         assert model.inline == {1}
-        assert model.store._refs == {2: 3, 3: 2}
+        assert model.store._applier.refs == {2: 3, 3: 2}
     finally:
         model.close()
 

@@ -245,12 +245,12 @@ class LmdbStore(CommitBatches):
             self._outbox_loaded = load_outbox(ld)
             top = load_orphan_messages(ld)
             ld.finish()
-        self._refs = {mid: count for mid, count in ld.refs.items() if count > 1}
+        self._applier.refs = {mid: count for mid, count in ld.refs.items() if count > 1}
         self._seq = int(next_seq) if next_seq is not None else 1
         self.committed_seq = self._seq - 1
         state = ld.loaded()
         state.next_mid = int(next_mid) if next_mid is not None else 1
-        self._top_mid = max(top, state.next_mid - 1)
+        self._applier.top_mid = max(top, state.next_mid - 1)
         expired = ld.expired
         self.expired_on_load = len(expired.sessions), expired.messages_count
         if not cleanup:

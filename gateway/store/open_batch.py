@@ -20,7 +20,7 @@ from gateway.broker.store_port import DURABLE, ORDER, OWN
 from gateway.store import records as rec
 
 # Operations, recorded by the store's typed operations on the loop, applied in order by the writer thread
-# (gateway/store/writer.py, LmdbWriter._apply):
+# (gateway/store/applier.py, BatchApplier.apply):
 #   (PUT, table, key, value), (DEL, table, key)             sessions, subs, meta
 #   (Q_PUT, key, delivery record, Message, message record)  a new queue row (takes a reference to its message)
 #   (Q_DEL, key), (Q_SENT, key, packet_id, state)           a queue row deleted, or patched after a send

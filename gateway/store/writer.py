@@ -7,9 +7,9 @@ operations that record changes on the loop, loading and the tools are in :mod:`g
 - the environment and its tables, and the map's growth up to ``max_size``;
 - the writer thread and its queue of batches: batches that queue up while the writer is busy share one
   transaction (group commit), fsynced by LMDB's default ``sync``/``metasync``;
-- applying the operations (``_apply``, ``_put_new``): a batch's changes in order, queue rows of new messages with
-  one ``putmulti`` per table, and the reference counts of message rows referenced more than once (kept on this
-  thread, rolled back with an aborted transaction);
+- applying the operations through :class:`~gateway.store.applier.BatchApplier` (``_applier``, compiled with the
+  core): a batch's changes in order, queue rows of new messages with one ``putmulti`` per table, and the reference
+  counts of message rows referenced more than once (kept on this thread, rolled back with an aborted transaction);
 - isolating a change that fails alone (nested transactions), a full store or disk (``last_write_failed``, and a
   probe write every ``_PROBE_INTERVAL`` seconds while nothing else commits), and writing the data file ahead
   (``_preallocate``).
@@ -38,8 +38,8 @@ from typing import Any
 
 import lmdb
 
-from gateway.broker.message import Message
 from gateway.store import records as rec
+from gateway.store.applier import BatchApplier, drop_superseded
 from gateway.store.open_batch import DEL as _DEL
 from gateway.store.open_batch import IN_DEL as _IN_DEL
 from gateway.store.open_batch import IN_PUT as _IN_PUT
@@ -61,7 +61,7 @@ _INITIAL_MAP = 32 * 1024 * 1024  # bytes: the map of a new store (it doubles as 
 _AHEAD = 4 * 1024 * 1024  # bytes of written space kept past LMDB's last page (see LmdbWriter._preallocate)
 _ZEROS = bytes(1024 * 1024)
 
-# The operations a batch holds, applied in order by _apply, are listed in gateway/store/open_batch.py.
+# The operations a batch holds, applied in order by BatchApplier.apply, are listed in gateway/store/open_batch.py.
 #: The table each operation but _PUT, _DEL and _SESS_DEL changes (those carry their table, or several).
 _OP_TABLES = {_Q_PUT: "queue", _Q_DEL: "queue", _Q_SENT: "queue", _IN_PUT: "inbound", _IN_DEL: "inbound",
               _RET_PUT: "retained", _RET_DEL: "retained", _OB_PUT: "outbox", _OB_DEL: "outbox"}
@@ -80,6 +80,12 @@ _BATCH_ERRORS: tuple[type[BaseException], ...] = (
 FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _QUOTA_TEXT = os.strerror(errno.EDQUOT)
 _EIO_TEXT = os.strerror(errno.EIO)
+
+
+def _bytes_of(txn: lmdb.Transaction, db: Any) -> int:
+    """Bytes of the pages of table ``db`` as ``txn`` sees it."""
+    stat = txn.stat(db)
+    return stat["psize"] * (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"])
 
 
 def _per_change(exc: BaseException) -> bool:
@@ -123,15 +129,6 @@ def _disk_free(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Leave out queue-row patches (a Packet Identifier recorded for a send) whose row the same transaction
-    deletes anyway (the PUBACK came before the commit): the committed state is the same, with fewer writes."""
-    deleted = {op[1] for op in ops if op[0] == _Q_DEL}
-    if not deleted:
-        return ops
-    return [op for op in ops if op[0] != _Q_SENT or op[1] not in deleted]
-
-
 class LmdbWriter:
     """The environment, its tables and the writer thread of an LMDB store (see the module's docstring).
 
@@ -150,10 +147,9 @@ class LmdbWriter:
         self._queue: queue.Queue[Any] = queue.Queue()  # batches: (ops, next_mid, next_seq); None stops the writer
         self._writer: threading.Thread | None = None
         self._skipped: list[tuple[tuple[Any, ...], BaseException]] = []  # changes the last commit left out
-        self._refs: dict[int, int] = {}  # mid -> references, for messages referenced more than once
-        self._undo: list[tuple[int, int | None]] = []
-        self._last_put_mid = 0
-        self._top_mid = 0  # no message row has a higher mid (see _apply)
+        self._applier: BatchApplier  # set with the tables (_open_env)
+        #: bytes of pages by table handle, as of the last commit (``used_bytes`` is their sum; _update_used)
+        self._table_bytes: dict[Any, int] = {}
         self.used_bytes = 0
         self.map_size = 0
         self._file_end = 0  # bytes: the data file's size as last written or seen (_preallocate)
@@ -181,8 +177,10 @@ class LmdbWriter:
                              sync=True, metasync=True, lock=True, readahead=False)
         self.map_size = map_size
         self.tables = Tables.open(self.env)
+        self._applier = BatchApplier(self.tables)
         self._file_end = self._data_file_size()
         self._page_size = self.env.stat()["psize"]
+        self._update_used()
 
     def _data_file_size(self) -> int:
         """Bytes in ``data.mdb`` (0 when there is none)."""
@@ -194,12 +192,14 @@ class LmdbWriter:
     def _update_used(self) -> None:
         """``used_bytes``: the pages of every table (``has_room`` compares it with ``max_size``)."""
         assert self.env is not None
-        used = 0
         with self.env.begin() as txn:
-            for db in self.tables:
-                s = txn.stat(db)
-                used += s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
-        self.used_bytes = used
+            self._table_bytes = {db: _bytes_of(txn, db) for db in self.tables}
+        self.used_bytes = sum(self._table_bytes.values())
+
+    def _sizes(self, txn: Any) -> dict[Any, int]:
+        """Bytes of pages of the tables the applied operations changed, as ``txn`` leaves them (the others keep
+        theirs): after a commit, ``used_bytes`` stays exact with a few ``stat`` calls instead of one per table."""
+        return {db: _bytes_of(txn, db) for db in self._applier.tables_changed()}
 
     def _start_writer(self) -> None:
         """Start the writer thread (:meth:`_write_loop`)."""
@@ -235,7 +235,7 @@ class LmdbWriter:
                 batches.append(more)
             ops = [op for batch in batches for op in batch[0]]
             if len(batches) > 1:
-                ops = _drop_superseded(ops)  # within one batch, a deleted delivery's send was never recorded
+                ops = drop_superseded(ops)  # within one batch, a deleted delivery's send was never recorded
             meta = self.tables.meta
             ops.append((_PUT, meta, b"next_mid", str(batches[-1][1]).encode()))
             ops.append((_PUT, meta, b"next_seq", str(batches[-1][2]).encode()))
@@ -260,8 +260,7 @@ class LmdbWriter:
         assert self.env is not None
         isolate = False
         while True:
-            self._undo = []  # reference counts before this attempt, to roll back with the transaction
-            self._last_put_mid = 0
+            self._applier.begin()  # reference counts from here on roll back with this attempt's transaction
             self._skipped = []
             applying = True
             try:
@@ -272,6 +271,7 @@ class LmdbWriter:
                     else:
                         self._apply(txn, ops)
                     applying = False
+                    sizes = self._sizes(txn)
                 except BaseException:
                     txn.abort()
                     raise
@@ -282,7 +282,7 @@ class LmdbWriter:
                 self.fsync_seconds += took
                 break
             except lmdb.MapFullError:
-                self._rollback_refs()
+                self._applier.rollback()
                 if self.map_size >= self.settings.max_size:
                     self._write_failed(f"store full at max_size={self.settings.max_size} bytes", len(ops), True)
                     return False
@@ -293,7 +293,7 @@ class LmdbWriter:
                 self._file_end = self._data_file_size()
                 log.info("store: map grown to %d bytes", new_size)
             except Exception as exc:
-                self._rollback_refs()
+                self._applier.rollback()
                 if applying and not isolate and _per_change(exc):
                     isolate = True  # one change failed: find it, commit the rest
                     continue
@@ -303,7 +303,8 @@ class LmdbWriter:
         if self.last_write_failed:
             log.warning("store: a commit succeeded again after the store was full")
         self.last_write_failed = False
-        self._update_used()  # ~10 us a commit; keeps has_room exact
+        self._table_bytes.update(sizes)
+        self.used_bytes = sum(self._table_bytes.values())  # exact: has_room compares it with max_size
         self._preallocate()
         return True
 
@@ -335,160 +336,9 @@ class LmdbWriter:
                         self.used_bytes, self.settings.max_size)
 
     def _apply(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
-        """Apply ``ops`` in order. Queue rows of messages newer than any stored (``_top_mid``) are gathered and
-        written with one ``putmulti`` per database, before the next operation of any other kind: such a
-        message has no row and no count yet; a repeat of the last one (fan-out to several sessions) counts
-        a reference."""
-        tables = self.tables
-        queue_db, inbound_db, retained_db, outbox_db = tables.queue, tables.inbound, tables.retained, tables.outbox
-        deletes = {_IN_DEL: inbound_db, _RET_DEL: retained_db, _OB_DEL: outbox_db}  # deletes of referencing rows
-        run: list[tuple[int, bytes, bytes, bytes]] = []  # queue rows of new messages: (mid, record, key, value)
-        for op in ops:
-            kind = op[0]
-            if kind == _Q_PUT:
-                _, key, value, message, record = op
-                mid = message.mid
-                if mid > self._top_mid or (run and mid == run[-1][0]):
-                    run.append((mid, record, key, value))
-                    self._top_mid = mid
-                    continue
-                if run:
-                    self._put_new(txn, run)
-                self._ref(txn, message)
-                txn.put(key, value, db=queue_db)
-                continue
-            if run:
-                self._put_new(txn, run)
-            if kind == _Q_DEL:
-                value = txn.pop(op[1], db=queue_db)
-                if value is not None and not rec.carries_message(value):
-                    self._unref(txn, rec.from_u64(value))
-            elif kind == _Q_SENT:
-                _, key, packet_id, state = op
-                value = txn.get(key, db=queue_db)
-                if value is not None:
-                    txn.put(key, rec.patch_delivery(value, packet_id, state), db=queue_db)
-            elif kind == _PUT:
-                txn.put(op[2], op[3], db=op[1])
-            elif kind == _DEL:
-                txn.delete(op[2], db=op[1])
-            elif kind in (_IN_PUT, _RET_PUT):
-                # A row that replaces another (same key) moves its reference to the new message.
-                if kind == _IN_PUT:
-                    _, key, value, message = op
-                    db = inbound_db
-                else:
-                    _, key, message = op
-                    value, db = rec.u64(message.mid), retained_db
-                old = txn.get(key, db=db)
-                if old is not None:
-                    self._unref(txn, rec.from_u64(bytes(old)))
-                self._ref(txn, message)
-                txn.put(key, value, db=db)
-            elif kind in deletes:  # _IN_DEL, _RET_DEL, _OB_DEL: the row referenced a message row
-                value = txn.pop(op[1], db=deletes[kind])
-                if value is not None:
-                    self._unref(txn, rec.from_u64(value))
-            elif kind == _SESS_DEL:
-                self._delete_session_rows(txn, op[1])
-            elif kind == _OB_PUT:
-                _, key, value, message = op
-                self._ref(txn, message)
-                txn.put(key, value, db=outbox_db)
-        if run:
-            self._put_new(txn, run)
-        # _top_mid stays raised even if this transaction fails: a higher bound only sends more queue rows down
-        # the one-at-a-time path, which is right for any message.
-
-    def _put_new(self, txn: Any, run: list[tuple[int, bytes, bytes, bytes]]) -> None:
-        """Write a run of queue rows of new messages (a message's rows are consecutive) with one ``putmulti``
-        per database. A message with one row is stored in that row (records.inline_message); one with several
-        gets a message row, referenced that many times."""
-        messages: list[tuple[bytes, bytes]] = []
-        rows: list[tuple[bytes, bytes]] = []
-        refs = self._refs
-        last = len(run) - 1
-        shared = 0
-        for i, (mid, record, key, value) in enumerate(run):
-            if shared or (i < last and run[i + 1][0] == mid):
-                if not shared:
-                    messages.append((rec.u64(mid), record))
-                shared += 1
-                rows.append((key, value))
-                if i == last or run[i + 1][0] != mid:
-                    self._undo.append((mid, None))
-                    refs[mid] = shared
-                    shared = 0
-            else:
-                rows.append((key, value + record))
-        if messages:
-            txn.cursor(db=self.tables.messages).putmulti(messages)
-        txn.cursor(db=self.tables.queue).putmulti(rows)
-        # _ref's shortcut ("the last message row put has one reference") must not take an inline message for
-        # one with a row: a later reference to it then writes its row.
-        self._last_put_mid = 0
-        run.clear()
-
-    def _ref(self, txn: Any, message: Message) -> None:
-        mid = message.mid
-        if mid > self._top_mid:
-            self._top_mid = mid  # its row is written now: later queue rows of it must count a reference
-        refs = self._refs
-        count = refs.get(mid)
-        if count is None:
-            # One reference or none: the message row tells (a put that finds it reports False).
-            if mid != self._last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.tables.messages,
-                                                     overwrite=False):
-                self._last_put_mid = mid
-                return
-            count = 1
-        self._undo.append((mid, refs.get(mid)))
-        refs[mid] = count + 1
-
-    def _unref(self, txn: Any, mid: int) -> None:
-        refs = self._refs
-        count = refs.get(mid)
-        if count is None:
-            txn.delete(rec.u64(mid), db=self.tables.messages)
-            if mid == self._last_put_mid:
-                self._last_put_mid = 0
-            return
-        self._undo.append((mid, count))
-        if count <= 2:
-            del refs[mid]
-        else:
-            refs[mid] = count - 1
-
-    def _delete_session_rows(self, txn: Any, cid: str) -> None:
-        t = self.tables
-        sessions_db, subs_db, queue_db, inbound_db = t.sessions, t.subs, t.queue, t.inbound
-        txn.delete(rec.name_key(cid), db=sessions_db)
-        prefix = rec.client_prefix(cid)
-        for db in (subs_db, queue_db, inbound_db):
-            cursor = txn.cursor(db=db)
-            if not cursor.set_range(prefix):
-                continue
-            while cursor.key().startswith(prefix):
-                if db is not subs_db:
-                    value = bytes(cursor.value())
-                    if db is not queue_db or not rec.carries_message(value):
-                        self._unref(txn, rec.from_u64(value))
-                if not cursor.delete():
-                    break
-            cursor.close()
-
-    def _rollback_refs(self, mark: int = 0) -> None:
-        """Undo the reference count changes recorded since ``_undo[mark]`` (a transaction, or a nested one, was
-        aborted)."""
-        refs = self._refs
-        undo = self._undo
-        for mid, count in reversed(undo[mark:]):
-            if count is None:
-                refs.pop(mid, None)
-            else:
-                refs[mid] = count
-        del undo[mark:]
-        self._last_put_mid = 0
+        """Apply ``ops`` to ``txn`` (:meth:`BatchApplier.apply`; once per transaction, nested or not, so
+        ``bench/durable_cpu.py`` times the applying apart from LMDB's commit here)."""
+        self._applier.apply(txn, ops)
 
     def _apply_isolated(self, txn: Any, ops: list[tuple[Any, ...]]) -> None:
         """Apply ``ops`` in nested transactions of ``txn`` so that changes failing alone are left out: a part
@@ -500,13 +350,13 @@ class LmdbWriter:
         stack: list[list[tuple[Any, ...]]] = [ops]
         while stack:
             part = stack.pop()
-            mark = len(self._undo)
+            mark = len(self._applier.undo)
             child = self.env.begin(write=True, parent=txn)
             try:
                 self._apply(child, part)
             except Exception as exc:
                 child.abort()
-                self._rollback_refs(mark)
+                self._applier.rollback(mark)
                 if not _per_change(exc):
                     raise
                 if len(part) == 1:
