@@ -31,7 +31,7 @@ only for those. Without any ``acl_file`` ``BrokerState.read_checks`` is False an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from gateway.broker.session_state import NO_KEYS, partial_for_write
 from gateway.mqtt.reason_codes import ReasonCode as RC
@@ -109,7 +109,7 @@ class ListenerAccess:
 
 
 #: A listener with no entry in ``BrokerSettings.access``: anyone, everything (the core's default, as before).
-OPEN = ListenerAccess()
+OPEN: Final = ListenerAccess()
 
 
 def listener_access(core: BrokerState, listener: str) -> ListenerAccess:

@@ -9,7 +9,7 @@ core's state; the core never holds a transport.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 # Imported at run time, not only for the type checker: compiled by mypyc, the NamedTuple below is made when this
 # module is imported, from its fields' classes, so Connection's class must exist by then.
@@ -23,7 +23,7 @@ KEEP_OPEN, CLOSE, ABORT = 0, 1, 2
 
 #: :attr:`Action.pause_until` of a publisher held back while a consumer is congested: until the core no longer
 #: holds it back (``Broker.holds_back``), not until a time.
-UNTIL_RELEASED = float("inf")
+UNTIL_RELEASED: Final = float("inf")
 
 
 class Action(NamedTuple):
@@ -49,4 +49,4 @@ class Action(NamedTuple):
 
 
 #: The answer of an input that leaves nothing to do (shared: never changed).
-NO_ACTIONS: list[Action] = []
+NO_ACTIONS: Final[list[Action]] = []

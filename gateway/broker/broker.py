@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from gateway import __version__
 from gateway.broker import (
@@ -60,11 +60,11 @@ from gateway.mqtt.reason_codes import ReasonCode as RC
 
 __all__ = ["Broker", "Stats"]
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 
 #: Runs of plain QoS 2 acknowledgements by first byte (PUBREC, PUBREL, PUBCOMP): the handler of a whole run.
-_ACK_RUNS: dict[int, Callable[[BrokerState, Connection, list[int], float], None]] = {
+_ACK_RUNS: Final[dict[int, Callable[[BrokerState, Connection, list[int], float], None]]] = {
     0x50: inflight.on_pubrecs,
     0x62: qos2.on_pubrels,
     0x70: inflight.on_pubcomps,

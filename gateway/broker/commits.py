@@ -10,7 +10,7 @@ held it.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Final
 
 from gateway.broker.barriers import (
     ACK_PUBACK,
@@ -33,7 +33,7 @@ from gateway.broker.session_state import Connection
 from gateway.broker.state import BrokerState
 from gateway.broker.subscribe import subscribed
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 
 def committed(core: BrokerState, barrier: int, now: float) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
+from typing import Any, Final
 
 from gateway.broker.access_decisions import authenticate, client_rules, listener_access, redecide
 from gateway.broker.connection_states import AWAITING_CONNECT, CONNECTED, HELD
@@ -27,11 +27,11 @@ from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import ReasonCode as RC
 from gateway.mqtt.topics import require_topic, topic_name_error
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 
 #: The CONNACK of an accepted 3.1/3.1.1 CONNECT by Session Present: return code 0 (MQTT 3.1.1 §3.2), 4 bytes.
-_CONNACK_3 = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")
+_CONNACK_3: Final = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")
 
 
 def refuse(core: BrokerState, conn: Connection, reason: RC, message: str, now: float) -> None:

@@ -15,6 +15,7 @@ checks it against :data:`ALLOWED` (a few times per connection, never per packet)
 from __future__ import annotations
 
 import enum
+from typing import Final
 
 from gateway.broker.native_classes import mypyc_attr
 
@@ -35,7 +36,7 @@ CLOSED = ConnState.CLOSED
 HELD = ConnState.HELD
 
 #: The states each state may move to; every other change is a bug in the core (:class:`IllegalTransition`).
-ALLOWED: dict[ConnState, frozenset[ConnState]] = {
+ALLOWED: Final[dict[ConnState, frozenset[ConnState]]] = {
     AWAITING_CONNECT: frozenset({CONNECTED, HELD, CLOSED}),
     HELD: frozenset({AWAITING_CONNECT, CLOSED}),
     CONNECTED: frozenset({CLOSED}),

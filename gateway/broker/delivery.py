@@ -11,6 +11,7 @@ message carries its own Message Expiry Interval [MQTT-3.3.2-5].
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 from gateway.broker.inflight import send_new
 from gateway.broker.message import Delivery, Message
@@ -18,13 +19,13 @@ from gateway.broker.output import write_publish
 from gateway.broker.session_state import Session
 from gateway.broker.state import BrokerState
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 #: Flow control: an online session is congested when its Message Queue holds at least this many messages (or
 #: 2x its Inflight Window) while its client still acknowledges; publishers are paused until it drains to one
 #: window. A client silent for STALLED_AFTER seconds is not waited for.
-CONGESTION_MIN = 64
-STALLED_AFTER = 1.0
+CONGESTION_MIN: Final = 64
+STALLED_AFTER: Final = 1.0
 
 
 def deliver(

@@ -6,7 +6,7 @@ QoS 2 (:mod:`gateway.broker.qos2`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from gateway.broker.actions import UNTIL_RELEASED
 from gateway.broker.barriers import ACK_PUBACK, hold
@@ -28,7 +28,7 @@ from gateway.mqtt.reason_codes import ReasonCode as RC
 from gateway.mqtt.topics import require_topic, topic_name_error
 
 # Properties a PUBLISH carries from the publisher to subscribers (MQTT 5.0 §3.3.2.3).
-_STRIP_ON_RECEIVE = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
+_STRIP_ON_RECEIVE: Final = (P.TOPIC_ALIAS, P.SUBSCRIPTION_IDENTIFIER)
 
 
 def on_publish(core: BrokerState, conn: Connection, p: Publish, now: float) -> None:

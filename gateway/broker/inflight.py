@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Final
 
 from gateway.broker.barriers import ACK_PUBREL, ACK_SEND, ACK_SEND_QOS0, hold
 from gateway.broker.connection_states import CONNECTED
@@ -22,12 +23,12 @@ from gateway.broker.session_state import Connection, Session
 from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import PACKET_NAMES, PUBACK, PubAck, PubComp, PubRec, PubRel
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 #: Acknowledgements of one run handled before the messages they let into the window are written out: a long
 #: run of PUBACKs is handled in parts of this many, and the I/O layer writes between parts (Broker.resume), so
 #: the client works on the first messages that refilled its window while the broker prepares the rest.
-ACK_RUN_PART = 8
+ACK_RUN_PART: Final = 8
 
 
 def send_new(core: BrokerState, session: Session, conn: Connection, delivery: Delivery, now: float) -> None:

@@ -7,17 +7,18 @@ A :class:`Message` is stored once; every :class:`Delivery` (queue entry or Infli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.mqtt.packets import Publish
 from gateway.mqtt.properties import Properties
 
 #: "No Subscription Identifiers": one shared list, never mutated.
-NO_IDS: list[int] = []
+NO_IDS: Final[list[int]] = []
 
 #: A Delivery waits for PUBACK (QoS 1) or PUBREC (QoS 2).
-AWAIT_ACK = 0
+AWAIT_ACK: Final = 0
 #: A QoS 2 Delivery whose PUBREC arrived: PUBREL sent, PUBCOMP awaited (MQTT 5.0 §4.3.3).
-AWAIT_COMP = 1
+AWAIT_COMP: Final = 1
 
 
 # Message and Delivery have their __init__ written out: compiled by mypyc, a dataclass keeps its generated __init__

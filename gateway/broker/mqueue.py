@@ -26,25 +26,25 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from gateway.broker.message import Delivery, Message
 
 if TYPE_CHECKING:
     from gateway.broker.queue_pager import QueuePager
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 #: Entries an offline persistent session keeps in memory at most (the rest wait only in the store): abandoned
 #: sessions must not hold their queues in memory (2,000 offline sessions with 1,000 messages each took
 #: 515 MiB of anonymous memory when every queue was held whole). A session that comes back gets ``mem_len_online``.
-OFFLINE_MEM_LEN = 16
+OFFLINE_MEM_LEN: Final = 16
 
 #: The message of a stand-in Delivery for a paged QoS 0 entry dropped without reading it back.
-_PAGED_OUT = Message(0, "", b"", 0, False, {}, 0.0)
+_PAGED_OUT: Final = Message(0, "", b"", 0, False, {}, 0.0)
 #: Stands for an empty deque until the first entry (a deque costs ~760 bytes; most sessions never queue).
-_NONE: tuple[()] = ()
-_NO_SEQS: frozenset[int] = frozenset()
+_NONE: Final[tuple[()]] = ()
+_NO_SEQS: Final[frozenset[int]] = frozenset()
 
 
 class MessageQueue:

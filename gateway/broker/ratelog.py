@@ -9,12 +9,12 @@ so reconnecting does not reset the limit) and the reason.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Final
 
 #: Seconds between two lines of one key.
-INTERVAL = 60.0
+INTERVAL: Final = 60.0
 #: Keys remembered at most; past it keys whose interval has passed are forgotten, then all (bounded memory).
-MAX_KEYS = 10_000
+MAX_KEYS: Final = 10_000
 
 
 def peer_host(peer: str) -> str:

@@ -11,18 +11,20 @@ the hot path costs no extra call.
 
 from __future__ import annotations
 
+from typing import Final
+
 from gateway.mqtt.packets import MQTT_5, SUBACK_FAILURE_311, Connack, Disconnect
 from gateway.mqtt.properties import PropertyId as P
 from gateway.mqtt.reason_codes import CONNACK_311, ReasonCode
 
-RC = ReasonCode
+RC: Final = ReasonCode
 
 #: The PUBACK Reason Code of an accepted QoS 1 PUBLISH that no subscription matched, by Protocol Level (5.0:
 #: 0x10 No matching subscribers, MQTT 5.0 §3.4.2.1; 3.1.1: plain PUBACK).
-PUBACK_NO_MATCHING: dict[int, int] = {3: 0, 4: 0, MQTT_5: RC.NO_MATCHING_SUBSCRIBERS}
+PUBACK_NO_MATCHING: Final[dict[int, int]] = {3: 0, 4: 0, MQTT_5: RC.NO_MATCHING_SUBSCRIBERS}
 
 #: Reason Strings are cut to this many characters (they are diagnostics, and count against Maximum Packet Size).
-REASON_STRING_MAX = 200
+REASON_STRING_MAX: Final = 200
 
 
 def connack_refusal(version: int, reason: ReasonCode) -> int | None:

@@ -10,6 +10,7 @@ or a clean session's disconnect discard it and everything in it.
 from __future__ import annotations
 
 import logging
+from typing import Final
 
 from gateway.broker.actions import CLOSE
 from gateway.broker.connection_states import CLOSED
@@ -20,7 +21,7 @@ from gateway.broker.state import BrokerState
 from gateway.mqtt.packets import MQTT_5, Will
 from gateway.mqtt.properties import PropertyId as P
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 
 def close(core: BrokerState, conn: Connection, now: float, publish_will: bool, reason: str = "closed by the broker",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from gateway.broker.connection_states import ALLOWED, AWAITING_CONNECT, ConnState, IllegalTransition
 from gateway.broker.limits import ZoneLimits
@@ -24,15 +24,15 @@ if TYPE_CHECKING:
     from gateway.broker.queue_pager import QueuePager
 
 #: Session Expiry Interval meaning "never expires" (MQTT 5.0 §3.1.2.11.2).
-NEVER = 0xFFFFFFFF
+NEVER: Final = 0xFFFFFFFF
 
 #: Shared read-only stand-ins for per-session and per-connection containers that most clients never use (an idle
 #: connection must stay small): replaced by a real set/dict on the first write (see the ``*_for_write``
 #: helpers below, and :meth:`Session.start_receiving`).
-NO_KEYS: frozenset[str] = frozenset()
-NO_ENTRIES: MappingProxyType[Any, Any] = MappingProxyType({})
+NO_KEYS: Final[frozenset[str]] = frozenset()
+NO_ENTRIES: Final[MappingProxyType[Any, Any]] = MappingProxyType({})
 #: ``Connection.pending_acks`` when there are none: shared and never written (a run is replaced, not appended to).
-NO_ACKS: list[int] = []
+NO_ACKS: Final[list[int]] = []
 
 
 class _NoQueue(MessageQueue):
@@ -59,7 +59,7 @@ def _no_queue() -> TypeError:
 
 
 #: The shared Message Queue of every session that has never subscribed (or been loaded from the store).
-NO_QUEUE: MessageQueue = _NoQueue(0, 0)
+NO_QUEUE: Final[MessageQueue] = _NoQueue(0, 0)
 
 
 

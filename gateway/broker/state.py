@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from gateway.broker.deadlines import DeadlineIndex
 from gateway.broker.limits import BrokerSettings
@@ -20,7 +20,7 @@ from gateway.broker.session_state import Connection, Session
 from gateway.broker.store_port import MemoryStore, SessionStore
 from gateway.broker.subscription_tree import SubscriptionTree
 
-log = logging.getLogger("gateway.broker")
+log: Final = logging.getLogger("gateway.broker")
 
 
 class Stats:

@@ -8,12 +8,13 @@ reader hold more than ``max_packet_size`` bytes.
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import Final
 
 from gateway.mqtt.errors import MalformedPacket, PacketTooLarge
 from gateway.mqtt.packets import MQTT_3_1_1, Connect, Packet, decode_packet
 
 #: The largest packet MQTT can frame: 1 + 4 + 268,435,455 bytes (MQTT 5.0 §2.1.4).
-ABSOLUTE_MAX_PACKET_SIZE = 268_435_460
+ABSOLUTE_MAX_PACKET_SIZE: Final = 268_435_460
 
 
 class PacketReader:

@@ -7,7 +7,7 @@ properties are dropped), 5 the 5.0 one. Sources: MQTT 3.1.1 §2-3, MQTT 5.0 §2-
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Final, TypeVar
 
 from gateway.mqtt.errors import MalformedPacket, MQTTError, ProtocolError, UnsupportedProtocolVersion
 from gateway.mqtt.primitives import (
@@ -26,11 +26,11 @@ from gateway.mqtt.topics import require_topic
 CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
 SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT, AUTH = 8, 9, 10, 11, 12, 13, 14, 15
 
-MQTT_3_1 = 3
-MQTT_3_1_1 = 4
-MQTT_5 = 5
+MQTT_3_1: Final = 3
+MQTT_3_1_1: Final = 4
+MQTT_5: Final = 5
 
-PACKET_NAMES = {
+PACKET_NAMES: Final = {
     1: "CONNECT",
     2: "CONNACK",
     3: "PUBLISH",
@@ -49,7 +49,7 @@ PACKET_NAMES = {
 }
 
 #: Valid SUBACK return codes in MQTT 3.1.1 (§3.9.3): granted QoS 0-2 or 0x80 Failure.
-SUBACK_FAILURE_311 = 0x80
+SUBACK_FAILURE_311: Final = 0x80
 
 
 def _frame(first_byte: int, body: bytes) -> bytes:
@@ -481,7 +481,7 @@ Packet = (
 _AckT = TypeVar("_AckT", bound=_Ack)
 
 #: Fixed header flag nibble each packet type must carry (MQTT 5.0 §2.1.3, [MQTT-2.1.3-1]); PUBLISH varies.
-_REQUIRED_FLAGS = {t: 0 for t in range(1, 16)}
+_REQUIRED_FLAGS: Final = {t: 0 for t in range(1, 16)}
 _REQUIRED_FLAGS[PUBREL] = _REQUIRED_FLAGS[SUBSCRIBE] = _REQUIRED_FLAGS[UNSUBSCRIBE] = 0x02
 
 #: MQTT 3.1 (Protocol Level 3), where [MQTT-2.1.3-1] does not apply yet: the flag nibble is DUP, QoS and RETAIN,
@@ -489,9 +489,9 @@ _REQUIRED_FLAGS[PUBREL] = _REQUIRED_FLAGS[SUBSCRIBE] = _REQUIRED_FLAGS[UNSUBSCRI
 #: PUBREL after a reconnect), so these three may also carry DUP + QoS 1 (0b1010). Their QoS stays 1 (3.1 §3.6,
 #: §3.8, §3.10) and the other types' flags, which 3.1 calls "not used" and its senders leave 0, are checked as in
 #: 3.1.1. Consulted only when a nibble differs from :data:`_REQUIRED_FLAGS`, so other levels pay nothing for it.
-_MQTT_3_1_RETRY_FLAGS = {PUBREL: 0x0A, SUBSCRIBE: 0x0A, UNSUBSCRIBE: 0x0A}
+_MQTT_3_1_RETRY_FLAGS: Final = {PUBREL: 0x0A, SUBSCRIBE: 0x0A, UNSUBSCRIBE: 0x0A}
 
-_VALID_REASONS = frozenset(int(r) for r in ReasonCode)
+_VALID_REASONS: Final = frozenset(int(r) for r in ReasonCode)
 
 
 def _check_end(pos: int, body: bytes) -> None:

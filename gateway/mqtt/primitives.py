@@ -7,14 +7,15 @@ bytes run out or break a rule. Encoders return ``bytes``.
 from __future__ import annotations
 
 import struct
+from typing import Final
 
 from gateway.mqtt.errors import MalformedPacket
 
-_U16 = struct.Struct("!H")
-_U32 = struct.Struct("!I")
+_U16: Final = struct.Struct("!H")
+_U32: Final = struct.Struct("!I")
 
 #: Largest value a Variable Byte Integer can hold (MQTT 5.0 §1.5.5): 268,435,455.
-VBI_MAX = 268_435_455
+VBI_MAX: Final = 268_435_455
 
 
 def encode_vbi(value: int) -> bytes:

@@ -11,7 +11,7 @@ Properties travel as a plain ``dict[int, value]`` keyed by :class:`PropertyId`. 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any
+from typing import Any, Final
 
 from gateway.mqtt.errors import MalformedPacket, ProtocolError
 from gateway.mqtt.primitives import (
@@ -30,7 +30,7 @@ from gateway.mqtt.primitives import (
 Properties = dict[int, Any]
 
 #: The properties of a packet that has none: one shared object, to be read and never mutated (copy first).
-NO_PROPERTIES: Properties = {}
+NO_PROPERTIES: Final[Properties] = {}
 
 
 class PropertyId(IntEnum):
@@ -65,12 +65,12 @@ class PropertyId(IntEnum):
     SHARED_SUBSCRIPTION_AVAILABLE = 0x2A
 
 
-P = PropertyId
+P: Final = PropertyId
 
 _BYTE, _U16, _U32, _VBI, _STR, _BIN, _PAIR = range(7)
 
 #: Data type of each property (MQTT 5.0 §2.2.2.2).
-PROPERTY_TYPES: dict[int, int] = {
+PROPERTY_TYPES: Final[dict[int, int]] = {
     P.PAYLOAD_FORMAT_INDICATOR: _BYTE,
     P.MESSAGE_EXPIRY_INTERVAL: _U32,
     P.CONTENT_TYPE: _STR,
@@ -101,7 +101,7 @@ PROPERTY_TYPES: dict[int, int] = {
 }
 
 #: Pseudo packet type for the Will Properties inside a CONNECT payload (MQTT 5.0 §3.1.3.2).
-WILL = 0
+WILL: Final = 0
 
 _ACKS = {P.REASON_STRING, P.USER_PROPERTY}
 _MESSAGE = {
@@ -114,7 +114,7 @@ _MESSAGE = {
 }
 
 #: Which properties each packet type may carry, keyed by packet type (1..15; ``WILL`` = 0).
-ALLOWED: dict[int, frozenset[int]] = {
+ALLOWED: Final[dict[int, frozenset[int]]] = {
     WILL: frozenset(_MESSAGE | {P.WILL_DELAY_INTERVAL}),
     1: frozenset(
         {
@@ -164,7 +164,7 @@ ALLOWED: dict[int, frozenset[int]] = {
 }
 
 # Byte properties whose only legal values are 0 and 1 (a Protocol Error otherwise).
-_BOOLEAN = frozenset(
+_BOOLEAN: Final = frozenset(
     {
         P.PAYLOAD_FORMAT_INDICATOR,
         P.REQUEST_PROBLEM_INFORMATION,
@@ -176,7 +176,7 @@ _BOOLEAN = frozenset(
         P.SHARED_SUBSCRIPTION_AVAILABLE,
     }
 )
-_NONZERO = frozenset({P.RECEIVE_MAXIMUM, P.MAXIMUM_PACKET_SIZE, P.SUBSCRIPTION_IDENTIFIER, P.TOPIC_ALIAS})
+_NONZERO: Final = frozenset({P.RECEIVE_MAXIMUM, P.MAXIMUM_PACKET_SIZE, P.SUBSCRIPTION_IDENTIFIER, P.TOPIC_ALIAS})
 
 
 def decode_properties(buf: bytes | memoryview, pos: int, packet_type: int) -> tuple[Properties, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Final
 
 
 class ReasonCode(IntEnum):
@@ -71,7 +72,7 @@ class ConnackReturnCode311(IntEnum):
 
 
 #: How a 5.0 CONNACK reason code maps onto a 3.1.1 return code (for the same refusal on both levels).
-CONNACK_311: dict[int, ConnackReturnCode311] = {
+CONNACK_311: Final[dict[int, ConnackReturnCode311]] = {
     ReasonCode.SUCCESS: ConnackReturnCode311.ACCEPTED,
     ReasonCode.UNSUPPORTED_PROTOCOL_VERSION: ConnackReturnCode311.UNACCEPTABLE_PROTOCOL_VERSION,
     ReasonCode.CLIENT_IDENTIFIER_NOT_VALID: ConnackReturnCode311.IDENTIFIER_REJECTED,

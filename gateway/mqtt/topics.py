@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from gateway.mqtt.errors import ProtocolError
 
 #: Why an empty Topic Name or Topic Filter is refused; the one wording of [MQTT-4.7.3-1] in the code base.
-EMPTY_TOPIC = "must be at least one character long [MQTT-4.7.3-1]"
+EMPTY_TOPIC: Final = "must be at least one character long [MQTT-4.7.3-1]"
 
 
 def require_topic(topic: str, what: str) -> str:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Iterator
+from typing import Final
 
 from gateway.broker.message import NO_IDS, Delivery, Message
 from gateway.broker.session_state import Session
@@ -52,21 +53,32 @@ from gateway.mqtt.properties import NO_PROPERTIES, WILL, decode_properties, enco
 
 FORMAT_VERSION = 3  # 2: queue rows may carry their message (version 1 rows never do); 3: long names hashed in keys
 FORMAT_VERSIONS = (1, 2, 3)  # what this code reads (1 and 2 are rewritten to 3 when a broker opens them)
-NAME_MAX = 160  # bytes: a longer name is hashed in keys (name_key)
-HASHED_LEN = 161  # bytes: the length of a hashed name part
-_HEAD_MAX = 96  # bytes of a long name kept readable in its hashed form
-_HEAD_PAD = 97  # the head padded with 0x01 to this length, then 64 hex characters
+NAME_MAX: Final = 160  # bytes: a longer name is hashed in keys (name_key)
+HASHED_LEN: Final = 161  # bytes: the length of a hashed name part
+_HEAD_MAX: Final = 96  # bytes of a long name kept readable in its hashed form
+_HEAD_PAD: Final = 97  # the head padded with 0x01 to this length, then 64 hex characters
 
-_MSG = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
-_MSG_TOPIC = struct.Struct("!BBddH")  # _MSG and the topic's length, read in one go
-_DEL = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_at, n_sub_ids
-_SESS = struct.Struct("!dddB")  # expiry_interval, expires_at, will_at (-1 = none), protocol_level
-_SUB = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0 = none)
-_INB = struct.Struct("!Qd")
-_OUT = struct.Struct("!QB")  # mid, qos (then the remote topic)
-_U64 = struct.Struct("!Q")
-_U16 = struct.Struct("!H")
-_NONE = -1.0
+_MSG: Final = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
+_MSG_TOPIC: Final = struct.Struct("!BBddH")  # _MSG and the topic's length, read in one go
+_DEL: Final = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_at, n_sub_ids
+_SESS: Final = struct.Struct("!dddB")  # expiry_interval, expires_at, will_at (-1 = none), protocol_level
+_SUB: Final = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0 = none)
+_INB: Final = struct.Struct("!Qd")
+_OUT: Final = struct.Struct("!QB")  # mid, qos (then the remote topic)
+_U64: Final = struct.Struct("!Q")
+_U16: Final = struct.Struct("!H")
+_PATCH: Final = struct.Struct("!HB")  # a queue row's Packet Identifier and state (patch_delivery)
+# The records' fixed sizes as compile-time constants (bytes): the compiled code reads them without an attribute
+# lookup on the Struct.
+_MSG_SIZE: Final = 18
+_MSG_TOPIC_SIZE: Final = 20
+_DEL_SIZE: Final = 22
+_SESS_SIZE: Final = 25
+_SUB_SIZE: Final = 8
+_OUT_SIZE: Final = 9
+assert (_MSG.size, _MSG_TOPIC.size, _DEL.size, _SESS.size, _SUB.size, _OUT.size) == \
+    (_MSG_SIZE, _MSG_TOPIC_SIZE, _DEL_SIZE, _SESS_SIZE, _SUB_SIZE, _OUT_SIZE)
+_NONE: Final = -1.0
 #: The fixed head of a queue row (:func:`encode_delivery`): mid, QoS, RETAIN, Packet Identifier, state, expires_at
 #: (-1.0 = none), number of Subscription Identifiers (4 bytes each follow). For loaders that skip the rest.
 DELIVERY_HEAD = _DEL
@@ -76,7 +88,7 @@ U64 = _U64
 
 def u64(value: int) -> bytes:
     """8-byte big-endian integer."""
-    return _U64.pack(value)
+    return value.to_bytes(8, "big")  # compiled: a third of the time of _U64.pack
 
 
 def from_u64(data: bytes, pos: int = 0) -> int:
@@ -138,7 +150,7 @@ def _unopt(value: float) -> float | None:
     return None if value == _NONE else value
 
 
-_NAMES: dict[tuple[str, str | None], bytes] = {}  # (topic, sender) -> their encoding; a few thousand at most
+_NAMES: Final[dict[tuple[str, str | None], bytes]] = {}  # (topic, sender) -> their encoding; a few thousand at most
 
 
 def encode_message(m: Message) -> bytes:
@@ -162,7 +174,7 @@ def decode_message(mid: int, data: bytes, pos: int = 0) -> Message:
     re-validation of what :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/
     ``UnicodeDecodeError`` on a damaged record."""
     qos, flags, received_at, expires_at, n = _MSG_TOPIC.unpack_from(data, pos)
-    pos += _MSG_TOPIC.size
+    pos += _MSG_TOPIC_SIZE
     topic = str(data[pos:pos + n], "utf-8")
     pos += n
     (n,) = _U16.unpack_from(data, pos)
@@ -186,7 +198,7 @@ def payload_length(data: bytes) -> int:
 def payload_length_at(data: bytes, pos: int) -> int:
     """The payload length (bytes) of the message record at ``pos`` of ``data`` (to the end of ``data``), without
     decoding or copying it. Raises ``IndexError``/``struct.error`` on a damaged record."""
-    pos += _MSG.size
+    pos += _MSG_SIZE
     pos += 2 + _U16.unpack_from(data, pos)[0]  # topic
     pos += 2 + _U16.unpack_from(data, pos)[0]  # sender
     if data[pos] == 0:  # no properties: the usual case
@@ -209,7 +221,7 @@ def decode_queued(value: bytes, seq: int, stored: bytes | None = None) -> Delive
     (:func:`inline_message`), else the one in ``stored`` (the ``messages`` row it references); marked ``dropped``
     when neither is there (a damaged store). One pass over the row: the paging hot path."""
     mid, qos, retain, packet_id, state, expires_at, n = _DEL.unpack_from(value, 0)
-    pos = _DEL.size
+    pos = _DEL_SIZE
     sub_ids = list(struct.unpack_from(f"!{n}I", value, pos)) if n else NO_IDS
     pos += 4 * n
     dropped = False
@@ -248,28 +260,28 @@ def decode_queue_rows(rows: Iterator[tuple[bytes, bytes]], start: int, last: byt
 
 def carries_message(data: bytes) -> bool:
     """True when a queue row carries its message (:func:`inline_message` is not ``None``), without copying it."""
-    return len(data) > _DEL.size + 4 * data[_DEL.size - 1]
+    return len(data) > _DEL_SIZE + 4 * data[_DEL_SIZE - 1]
 
 
 def inline_message(data: bytes) -> bytes | None:
     """The message record a queue row carries after its :func:`encode_delivery` record (a message that nothing
     else referenced when it was stored: it is stored once, in that row), or ``None`` when the row references a
     ``messages`` row by mid."""
-    size = _DEL.size + 4 * data[_DEL.size - 1]
+    size = _DEL_SIZE + 4 * data[_DEL_SIZE - 1]
     return data[size:] if len(data) > size else None
 
 
 def patch_delivery(data: bytes, packet_id: int, state: int) -> bytes:
     """:func:`encode_delivery`'s record ``data`` with another Packet Identifier and state (a send, or PUBREC
     received), the rest kept as it is."""
-    return data[:10] + _U16.pack(packet_id) + bytes((state,)) + data[13:]
+    return data[:10] + _PATCH.pack(packet_id, state) + data[13:]
 
 
 def decode_delivery(data: bytes, message: Message | None = None) -> tuple[int, Delivery]:
     """``(mid, delivery)`` of :func:`encode_delivery`'s record; the delivery's ``message`` is ``message`` or a
     placeholder until the caller links it."""
     mid, qos, retain, packet_id, state, expires_at, n = _DEL.unpack_from(data, 0)
-    sub_ids = list(struct.unpack_from(f"!{n}I", data, _DEL.size)) if n else NO_IDS
+    sub_ids = list(struct.unpack_from(f"!{n}I", data, _DEL_SIZE)) if n else NO_IDS
     if message is None:
         message = Message(mid, "", b"", 0, False, NO_PROPERTIES, 0.0)
     return mid, Delivery(message, qos, bool(retain), sub_ids, packet_id, state, 0.0, _unopt(expires_at))
@@ -302,7 +314,7 @@ def decode_will(data: bytes, pos: int) -> Will | None:
 #: name follows) or 0 (anonymous), the user name if any, and the listener name, before the Will. Records without
 #: it (written before session ownership existed) load as anonymous sessions of an unknown listener. A version
 #: without session ownership would misread a record with it: do not run one on a store this version has written.
-_OWNER = 0x80
+_OWNER: Final = 0x80
 
 
 def encode_session(s: Session) -> bytes:
@@ -342,7 +354,7 @@ def decode_session_into(s: Session, data: bytes) -> None:
     s.expires_at = _unopt(expires_at)
     s.will_at = _unopt(will_at)
     s.protocol_level = level & ~_OWNER
-    pos = _SESS.size
+    pos = _SESS_SIZE
     if level & _OWNER:
         if data[pos]:
             s.username, pos = decode_string(data, pos + 1)
@@ -366,8 +378,8 @@ def encode_subscription(r: SubscriptionRecord, filter_part: bytes = b"") -> byte
 def subscription_key(key: bytes, data: bytes) -> str:
     """The filter as written of a ``subs`` row: from the value when it carries it (a hashed key part), else the
     key's part after the client's prefix (``key`` is that part)."""
-    if len(data) > _SUB.size:
-        return decode_string(data, _SUB.size)[0]
+    if len(data) > _SUB_SIZE:
+        return decode_string(data, _SUB_SIZE)[0]
     return key.decode("utf-8")
 
 
@@ -400,5 +412,5 @@ def encode_outbox(mid: int, qos: int, topic: str) -> bytes:
 def decode_outbox(data: bytes) -> tuple[int, int, str]:
     """``(mid, qos, remote topic)``."""
     mid, qos = _OUT.unpack_from(data, 0)
-    topic, _ = decode_string(data, _OUT.size)
+    topic, _ = decode_string(data, _OUT_SIZE)
     return mid, qos, topic
