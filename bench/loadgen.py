@@ -920,14 +920,9 @@ def _finish_csub(proc: subprocess.Popen[str]) -> dict[str, Any]:
     Raises:
         RuntimeError: it exited without its report, or not with status 0.
     """
-    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdout is not None
     line = proc.stdout.readline()
-    try:
-        proc.stdin.close()
-    except OSError:
-        pass
-    err = proc.stderr.read() if proc.stderr is not None else ""
-    proc.wait(10)
+    _, err = proc.communicate(timeout=10)  # stdin closed: it exits
     if proc.returncode != 0 or not line:
         raise RuntimeError(f"cloadgen sub exited with {proc.returncode}: {err.strip()}")
     report: dict[str, Any] = json.loads(line)
