@@ -32,10 +32,10 @@
  *   --retained checks as run_retained_subscribers does: the publisher id is not looked at, a sequence number
  *   >= --expect is bad, and order is not counted (the broker sends retained messages in its own order).
  *
- *   It stops when every open subscriber has --expect distinct messages (--expect, or the line "expect N" on stdin,
- *   which also says that the publishers are done), or --idle seconds (1) after the last data once the publishers
- *   are done, or after --timeout seconds (60), or when every connection is closed, or at stdin's end or
- *   SIGTERM/SIGINT. It sends DISCONNECT on each open connection, closes it, and prints one JSON line:
+ *   It stops when every open subscriber has N distinct messages (--expect N, or the line "expect N" on stdin),
+ *   or --idle seconds (1) without data after that line (it says the publishers are done: run_subscribers's
+ *   pubs_done; --expect alone never stops for want of data), or after --timeout seconds (60), or when every
+ *   connection is closed, or at stdin's end or SIGTERM/SIGINT. It sends DISCONNECT on each open connection, closes it, and prints one JSON line:
  *     {"t_connect_ns": ns, "t_start_ns": ns, "cpu_s": s, "elapsed": s, "expect": n, "subscribers": [
  *       {"client_id", "received", "unique", "dups", "out_of_order", "bad", "dup_flag", "not_retained", "suback",
  *        "first_ns", "last_ns", "closed_by_broker", "session_present", "unique_per_pub"}, ...],
@@ -111,7 +111,7 @@ struct run {
     const struct sub_opts *o;
     struct sub *subs;
     long expect;        /* -1 until known */
-    int pubs_done;      /* "expect N" was read */
+    int pubs_done;      /* "expect N" was read: --idle applies */
     int go;             /* "go" was read (--at-once) */
     int stdin_closed;   /* its end was read: stop */
     long open;          /* connections not closed */
@@ -476,7 +476,9 @@ int run_sub(int argc, char **argv) {
     raise_nofile(o.n + 64, 1);
     encode_subscribe(o.topic_filter);
 
-    struct run x = {.o = &o, .expect = o.expect, .pubs_done = o.expect >= 0, .open = 0, .error_index = -1};
+    /* --expect alone never stops the run for want of data (the retained row waits for a slow broker until the
+     * deadline, as run_retained_subscribers does); "expect N" says the publishers are done, and --idle applies */
+    struct run x = {.o = &o, .expect = o.expect, .pubs_done = 0, .open = 0, .error_index = -1};
     x.subs = calloc((size_t)o.n, sizeof *x.subs);
     if (!x.subs) die("calloc");
     for (long i = 0; i < o.n; i++) {
