@@ -406,8 +406,9 @@ def scenario_retained(b: Broker, p: Params, budget: float, info: dict[str, Any])
     info["checks"] = {"expected": n * subs, "delivered": r["unique"], "dups": r["dups"], "bad": r["bad"],
                       "not_retained": r["not_retained"], "subacks": r["subacks"], "closed": r["closed"],
                       "generator": "C" if c_subs else "Python", "generator_load": round(own, 3)}
-    if c_subs:
+    if c_subs:  # the C subscribers' own CPU, and per delivery beside the broker's (retained.cpu)
         info["checks"]["generator_busy"] = round(r["generator_cpu_s"] / max(1e-9, r["generator_elapsed"]), 3)
+        info["checks"]["generator_us_per_delivery"] = round(r["generator_cpu_s"] / max(1, r["unique"]) * 1e6, 3)
     return {"retained.rate": r["unique"] / max(1e-9, (r["last_ns"] - r["t_start_ns"]) / 1e9),
             "retained.lost": n * subs - r["unique"], "retained.cpu": cpu}
 
@@ -436,7 +437,8 @@ def scenario_fanout(b: Broker, p: Params, budget: float, info: dict[str, Any]) -
         done = w.collect("done", [pub], budget)[pub]
         w.ctl.expect.value = done["sent"]
         w.ctl.pubs_done.set()
-        m = merge_subscribers(w.collect("done", names, budget))
+        subs_done = w.collect("done", names, budget)
+        m = merge_subscribers(subs_done)
         cpu = meter.cpu_us(m["unique"])
         info["core1_busy"] = meter.core_busy()
         info["core0_foreign"] = meter.foreign()
@@ -448,6 +450,9 @@ def scenario_fanout(b: Broker, p: Params, budget: float, info: dict[str, Any]) -
     info["checks"] = {"sent": done["sent"], "expected": expected, "dups": m["dups"],
                       "out_of_order": m["out_of_order"], "bad": m["bad"], "generator": "C" if c_subs else "Python",
                       "generator_load": round(own, 3)}
+    if c_subs:  # the C subscribers' own CPU per delivery, beside the broker's (fanout.cpu)
+        gen_cpu = sum(r.get("generator_cpu_s", 0.0) for r in subs_done.values())
+        info["checks"]["generator_us_per_delivery"] = round(gen_cpu / max(1, m["unique"]) * 1e6, 3)
     if m["unique"] < expected and time.monotonic() > w.ctl.deadline:
         raise TimeoutError(f"only {m['unique']} of {expected} deliveries within {budget:.0f} s")
     return {"fanout.rate": m["unique"] / max(1e-9, (m["last_ns"] - done["t_start_ns"]) / 1e9),
