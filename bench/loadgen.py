@@ -1432,9 +1432,6 @@ def _check_subscribe(qos: int, pubs: int, per_pub: int, subscribers: int, pin: b
                 seconds=seconds + 60)
     w = Workers(seconds + 30)
     try:
-        expected = pubs * per_pub - (1 if faults else 0)
-        w.ctl.expect.value = expected
-        w.ctl.pubs_done.set()  # the stream is fixed: stop after 0.5 s without data
         names = []
         if c_generator:
             names.append(w.spawn(run_subscribers_c, sink.target, subscribers, "bench/#", w.ctl, pubs=pubs,
@@ -1445,6 +1442,9 @@ def _check_subscribe(qos: int, pubs: int, per_pub: int, subscribers: int, pin: b
                 specs = [SubSpec(f"self-sub{i}", "bench/#", qos, pubs=pubs, per_pub=per_pub)
                          for i in range(g, subscribers, groups)]
                 names.append(w.spawn(run_subscribers, sink.target, specs, w.ctl, latency=False, idle=0.5))
+        expected = pubs * per_pub - (1 if faults else 0)
+        w.ctl.expect.value = expected
+        w.ctl.pubs_done.set()  # the stream is fixed: stop after 0.5 s without data
         w.collect("ready", names, 20)
         done = w.collect("done", names, seconds + 30)
     finally:

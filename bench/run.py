@@ -1042,7 +1042,8 @@ def write_report(path: Path, table: str, foot: list[str], p: Params, vers: dict[
         f"- fan-in: 4 x {p.fanin_per_pub} messages; QoS 1: {p.qos1_seconds} s; fan-out: {p.fanout_msgs} messages "
         f"x {p.fanout_subs} subscribers; idle: {p.idle_conns} connections (opener: {p.idle_generator}, "
         f"{'bench/cloadgen built' if cloadgen_binary() else 'bench/cloadgen not built'}); "
-        f"fan-out and retained subscribers: {p.msg_generator}; "
+        f"fan-out and retained subscribers: {'C (bench/cloadgen sub)' if msg_generator(p) == 'c' else 'Python'} "
+        f"(--msg-generator {p.msg_generator}); "
         f"offline: {p.offline_msgs} messages; "
         f"kill: SIGKILL {p.kill_after} s after the publishers start",
         "",
