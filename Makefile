@@ -105,13 +105,15 @@ $(AMQTT_VENV)/.installed:
 	$(AMQTT_VENV)/bin/pip install -q --upgrade pip
 	$(AMQTT_VENV)/bin/pip install -q 'amqtt==$(AMQTT_VERSION)' && touch $@ || echo "amqtt not installed: its cells will say n/a"
 
-# The idle-connection load generator in C (bench/cloadgen/cloadgen.c, docs/benchmarks.md "The C load generator"):
-# bench/loadgen.py's Python opener was the limit of Mosquitto's connect rate. libc only; gcc comes with `compiler`.
+# The load generator in C where bench/loadgen.py's Python one was the bound (docs/benchmarks.md "The C load
+# generator"): the idle-connection opener (bench/cloadgen/cloadgen.c: Mosquitto's connect rate) and the fan-out and
+# retained rows' subscribers (bench/cloadgen/sub.c). libc only; gcc comes with `compiler`.
 CLOADGEN := bench/cloadgen/cloadgen
 CLOADGEN_CFLAGS := -std=c11 -O2 -Wall -Wextra
-$(CLOADGEN): bench/cloadgen/cloadgen.c
+CLOADGEN_SOURCES := bench/cloadgen/cloadgen.c bench/cloadgen/sub.c
+$(CLOADGEN): $(CLOADGEN_SOURCES) bench/cloadgen/cloadgen.h
 	@command -v gcc >/dev/null || $(MAKE) --no-print-directory compiler
-	gcc $(CLOADGEN_CFLAGS) -o $@ $<
+	gcc $(CLOADGEN_CFLAGS) -o $@ $(CLOADGEN_SOURCES)
 
 cloadgen: $(CLOADGEN)
 

@@ -885,6 +885,125 @@ def run_idle_c(target: Target, n: int, ctl: Control, out: Any, name: str, keep_a
     out.put(("done", name, done))
 
 
+def _start_csub(target: Target, n: int, topic_filter: str, ctl: Control, *options: str) -> tuple[
+        subprocess.Popen[str], dict[str, Any]]:
+    """``cloadgen sub`` (bench/cloadgen/sub.c) with ``n`` subscribers to ``topic_filter`` on the target, user name
+    :data:`USERNAME`, stopping by itself at the harness's deadline; returns the process and its ``ready`` line.
+
+    Raises:
+        TargetError: as :func:`check_target`.
+        RuntimeError: the program is not built, the target needs TLS or a password (the C subscribers have
+            neither: the rows they serve run on a plain listener), or it exited before ``ready``.
+    """
+    check_target(target)
+    exe = cloadgen_binary()
+    if exe is None:
+        raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
+    if target.cafile or target.password is not None:
+        raise RuntimeError("the C subscribers speak plain MQTT without a password: use the Python ones")
+    timeout = max(1.0, ctl.deadline - time.monotonic())
+    cmd = [exe, "sub", "--host", HOST, "--port", str(target.port), "--subscribers", str(n), "--topic-filter",
+           topic_filter, "--username", USERNAME, "--timeout", f"{timeout:.1f}", *options]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        _, err = proc.communicate(timeout=10)
+        raise RuntimeError(f"cloadgen sub exited with {proc.returncode} before ready: {err.strip()}")
+    return proc, json.loads(line)
+
+
+def _finish_csub(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The report ``cloadgen sub`` prints when it stops (it stops by itself by the deadline); then its stdin is
+    closed and it exits.
+
+    Raises:
+        RuntimeError: it exited without its report, or not with status 0.
+    """
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    _, err = proc.communicate(timeout=10)  # stdin closed: it exits
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"cloadgen sub exited with {proc.returncode}: {err.strip()}")
+    report: dict[str, Any] = json.loads(line)
+    return report
+
+
+def _tell(proc: subprocess.Popen[str], line: str) -> None:
+    """A control line to ``cloadgen sub`` ("go", "expect N")."""
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def run_subscribers_c(target: Target, n: int, topic_filter: str, ctl: Control, out: Any, name: str, pubs: int = 1,
+                      per_pub: int = 1024, client_id_prefix: str = "bench-sub-c", idle: float = 1.0) -> None:
+    """:func:`run_subscribers` for ``n`` QoS 0 subscribers done by the C generator (``cloadgen sub``, one process,
+    one thread): the same CONNECT (3.1.1, Clean Session 1, user name :data:`USERNAME`) and SUBSCRIBE, the same
+    checks of every payload (per publisher ``0..pubs-1``: distinct, duplicates, out of order, bad), the same stop
+    (``ctl.expect`` distinct each, or ``idle`` seconds without data once ``ctl.pubs_done``, or the deadline) and the
+    same ``done`` report, which :func:`merge_subscribers` adds up. Client Identifiers are
+    ``{client_id_prefix}{i}``. It reads as :func:`_receive_many` does, waiting COALESCE_SLEEP after small reads.
+
+    The program's own CPU from ``ready`` to its end (getrusage) is the report's ``generator_cpu_s``; the worker
+    adds it to its own in :meth:`Workers.load` (the program inherits the worker's core).
+
+    Raises:
+        TargetError, RuntimeError: as :func:`_start_csub` and :func:`_finish_csub`.
+    """
+    proc, _ = _start_csub(target, n, topic_filter, ctl, "--pubs", str(pubs), "--per-pub", str(per_pub),
+                          "--client-id-prefix", client_id_prefix, "--idle", str(idle), "--coalesce-us",
+                          str(int(COALESCE_SLEEP * 1e6)))
+    try:
+        out.put(("ready", name, {"subscribers": n, "generator": "cloadgen"}))
+        if ctl.pubs_done.wait(max(0.0, ctl.deadline - time.monotonic())):
+            _tell(proc, f"expect {ctl.expect.value}")
+        r = _finish_csub(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out.put(("done", name, {"t_connect_ns": r["t_connect_ns"], "subscribers": r["subscribers"],
+                            "generator_cpu_s": r["cpu_s"], "generator_elapsed": r["elapsed"]}))
+
+
+def run_retained_subscribers_c(target: Target, n_subs: int, topic_filter: str, expect: int, ctl: Control, out: Any,
+                               name: str) -> None:
+    """:func:`run_retained_subscribers` done by the C generator (``cloadgen sub --at-once --retained``): every
+    socket connected first, ``ready``; on ``ctl.go`` each sends CONNECT and SUBSCRIBE ``topic_filter`` QoS 0 in one
+    write, all before any answer is read; every PUBLISH checked as there (RETAIN set, the payload's sequence number
+    below ``expect``: distinct, duplicates, bad). The same ``done`` report, with the program's CPU from ``ready`` as
+    ``generator_cpu_s`` (added to the worker's in :meth:`Workers.load`).
+
+    Raises:
+        TargetError, RuntimeError: as :func:`_start_csub` and :func:`_finish_csub`.
+    """
+    proc, _ = _start_csub(target, n_subs, topic_filter, ctl, "--at-once", "--retained", "--expect", str(expect),
+                          "--client-id-prefix", f"bench-ret-c{os.getpid()}-")
+    try:
+        out.put(("ready", name, {"subscribers": n_subs, "generator": "cloadgen"}))
+        if not ctl.go.wait(max(0.0, ctl.deadline - time.monotonic())):
+            proc.kill()
+            proc.wait()
+            out.put(("done", name, {"error": "never started"}))
+            return
+        _tell(proc, "go")
+        r = _finish_csub(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    subs = r["subscribers"]
+    out.put(("done", name, {"t_start_ns": r["t_start_ns"], "last_ns": max(s["last_ns"] for s in subs),
+                            "unique": sum(s["unique"] for s in subs), "dups": sum(s["dups"] for s in subs),
+                            "bad": sum(s["bad"] for s in subs),
+                            "complete": sum(1 for s in subs if s["unique"] >= expect),
+                            "closed": sum(1 for s in subs if s["closed_by_broker"]),
+                            "not_retained": sum(s["not_retained"] for s in subs),
+                            "subacks": sum(1 for s in subs if s["suback"]),
+                            "generator_cpu_s": r["cpu_s"], "generator_elapsed": r["elapsed"]}))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the do-nothing sink (and source)
 
@@ -1122,8 +1241,9 @@ class Workers:
 
     def load(self, names: list[str] | None = None, timeout: float = 5.0) -> float:
         """The load generator's own CPU use as a fraction of one core: the CPU seconds every worker process used
-        after it reported ``ready``, divided by the wall time from the first ``ready`` to the last end (workers
-        share one core, so near 1.0 means the load generator may be the bottleneck)."""
+        after it reported ``ready`` (with the CPU of a C generator it ran, from the program's own report), divided
+        by the wall time from the first ``ready`` to the last end (workers share one core, so near 1.0 means the
+        load generator may be the bottleneck)."""
         reports = self.collect("cpu", names or [p.name for p in self.procs], timeout)
         start = min(r["start"] for r in reports.values())
         end = max(r["end"] for r in reports.values())
@@ -1150,6 +1270,7 @@ class _Out:
         self.cpu_ready = 0.0
         self.sys_ready = 0.0
         self.t_ready = time.monotonic()
+        self.generator_cpu = 0.0  # a C generator's own CPU after ready (its report's generator_cpu_s)
 
     def put(self, item: tuple[str, str, Any]) -> None:
         if item[0] == "ready":
@@ -1157,6 +1278,8 @@ class _Out:
             self.cpu_ready = t.user + t.system
             self.sys_ready = t.system
             self.t_ready = time.monotonic()
+        elif item[0] == "done" and isinstance(item[2], dict):
+            self.generator_cpu += float(item[2].get("generator_cpu_s", 0.0))
         self.queue.put(item)
 
 
@@ -1168,7 +1291,8 @@ def _guard(fn: Callable[..., None], args: tuple[Any, ...], kw: dict[str, Any], o
         out.put(("error", name, traceback.format_exc()))
         return
     t = os.times()
-    out.put(("cpu", name, {"cpu_s": t.user + t.system - proxy.cpu_ready, "sys_s": t.system - proxy.sys_ready,
+    out.put(("cpu", name, {"cpu_s": t.user + t.system - proxy.cpu_ready + proxy.generator_cpu,
+                           "sys_s": t.system - proxy.sys_ready, "generator_cpu_s": proxy.generator_cpu,
                            "start": proxy.t_ready, "end": time.monotonic()}))
 
 
@@ -1301,17 +1425,23 @@ def _check_publish(qos: int, seconds: float, pin: bool, publishers: int = 4) -> 
 
 
 def _check_subscribe(qos: int, pubs: int, per_pub: int, subscribers: int, pin: bool, faults: bool,
-                     seconds: float) -> dict[str, Any]:
+                     seconds: float, c_generator: bool = False) -> dict[str, Any]:
+    """Subscribers against the sink's fixed stream: Python ones in up to 5 worker processes, or with
+    ``c_generator`` (QoS 0 only) all of them in one ``cloadgen sub`` (:func:`run_subscribers_c`)."""
     sink = Sink(StreamSpec(pubs, per_pub, qos, faults, start_after=subscribers), cpu=BROKER_CPU if pin else None,
                 seconds=seconds + 60)
     w = Workers(seconds + 30)
     try:
-        groups = min(subscribers, 5)
         names = []
-        for g in range(groups):
-            specs = [SubSpec(f"self-sub{i}", "bench/#", qos, pubs=pubs, per_pub=per_pub)
-                     for i in range(g, subscribers, groups)]
-            names.append(w.spawn(run_subscribers, sink.target, specs, w.ctl, latency=False, idle=0.5))
+        if c_generator:
+            names.append(w.spawn(run_subscribers_c, sink.target, subscribers, "bench/#", w.ctl, pubs=pubs,
+                                 per_pub=per_pub, client_id_prefix="self-sub-c", idle=0.5))
+        else:
+            groups = min(subscribers, 5)
+            for g in range(groups):
+                specs = [SubSpec(f"self-sub{i}", "bench/#", qos, pubs=pubs, per_pub=per_pub)
+                         for i in range(g, subscribers, groups)]
+                names.append(w.spawn(run_subscribers, sink.target, specs, w.ctl, latency=False, idle=0.5))
         expected = pubs * per_pub - (1 if faults else 0)
         w.ctl.expect.value = expected
         w.ctl.pubs_done.set()  # the stream is fixed: stop after 0.5 s without data
@@ -1324,9 +1454,13 @@ def _check_subscribe(qos: int, pubs: int, per_pub: int, subscribers: int, pin: b
     # from the moment the sink started streaming (not the first read: data may wait in the socket buffers)
     elapsed = max(1e-9, (m["last_ns"] - totals.get("stream_start_ns", m["first_ns"])) / 1e9)
     lost = sum(pubs * per_pub - sum(s["unique_per_pub"]) for s in m["subscribers"])
-    return {"subscribers": subscribers, "expected_each": expected, "received": m["received"], "unique": m["unique"],
-            "lost": lost, "dups": m["dups"], "out_of_order": m["out_of_order"], "bad": m["bad"],
-            "acks_at_sink": totals.get("acks", -1), "rate": m["received"] / elapsed}
+    res = {"subscribers": subscribers, "expected_each": expected, "received": m["received"], "unique": m["unique"],
+           "lost": lost, "dups": m["dups"], "out_of_order": m["out_of_order"], "bad": m["bad"],
+           "acks_at_sink": totals.get("acks", -1), "rate": m["received"] / elapsed}
+    if c_generator:
+        r = next(iter(done.values()))
+        res["generator_cpu"] = round(r["generator_cpu_s"] / max(1e-9, r["generator_elapsed"]), 3)
+    return res
 
 
 def _check_connect(n: int, pin: bool, c_generator: bool = False) -> dict[str, Any]:
@@ -1355,12 +1489,15 @@ def _check_connect(n: int, pin: bool, c_generator: bool = False) -> dict[str, An
 
 
 def self_check(seconds: float = 2.0, pin: bool = True, faults: bool = False, connections: int = 2000,
-               only: set[str] | None = None, c_generator: bool = False) -> dict[str, Any]:
+               only: set[str] | None = None, c_generator: bool = False,
+               c_subscribers: bool = False) -> dict[str, Any]:
     """Measure the load generator's ceiling against the do-nothing sink and verify its counting.
 
     Publisher checks run for ``seconds``; subscriber checks get a fixed stream sized to take about that long at
     300k messages/s. Returns a dict of checks, each with ``rate`` (messages/s, or connections/s). ``connect_c``
-    (the C generator against the C sink) runs with ``c_generator`` or when ``only`` names it.
+    (the C generator against the C sink) runs with ``c_generator`` or when ``only`` names it;
+    ``subscribe_fanout_c`` (the C subscribers, ``cloadgen sub``, against the sink's stream) with ``c_subscribers``
+    or when named, ``subscribe_qos0_c`` (one C subscriber, four publishers' stream) only when named.
     """
     if pin:
         _pin(LOADGEN_CPU)
@@ -1371,11 +1508,18 @@ def self_check(seconds: float = 2.0, pin: bool = True, faults: bool = False, con
         "subscribe_qos0": lambda: _check_subscribe(0, 4, per // 4, 1, pin, faults, seconds),
         "subscribe_qos1": lambda: _check_subscribe(1, 4, per // 8, 1, pin, faults, seconds),
         "subscribe_fanout": lambda: _check_subscribe(0, 1, max(200, per // 50), 50, pin, False, seconds),
+        "subscribe_qos0_c": lambda: _check_subscribe(0, 4, per // 4, 1, pin, faults, seconds, c_generator=True),
+        "subscribe_fanout_c": lambda: _check_subscribe(0, 1, max(200, per // 50), 50, pin, False, seconds,
+                                                       c_generator=True),
         "connect": lambda: _check_connect(connections, pin),
         "connect_c": lambda: _check_connect(connections, pin, c_generator=True),
     }
-    return {name: fn() for name, fn in checks.items()
-            if (name in only if only is not None else name != "connect_c" or c_generator)}
+    default = {name for name in checks if not name.endswith("_c")}
+    if c_generator:
+        default.add("connect_c")
+    if c_subscribers:
+        default.add("subscribe_fanout_c")
+    return {name: fn() for name, fn in checks.items() if name in (only if only is not None else default)}
 
 
 def core_times() -> dict[int, tuple[int, int]]:
@@ -1420,7 +1564,8 @@ def main() -> int:
     ap.add_argument("--faults", action="store_true", help="the sink injects one loss, duplicate and reorder")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the sink to core 0 and the load to core 1")
     ap.add_argument("--only", help="comma-separated checks to run; connect_c (the C idle generator, bench/cloadgen, "
-                    "against the C sink) runs only when named")
+                    "against the C sink), subscribe_qos0_c and subscribe_fanout_c (the C subscribers, cloadgen sub, "
+                    "against the sink) run only when named")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     raise_nofile(args.connections + 1000)

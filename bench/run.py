@@ -13,14 +13,16 @@ Scenarios (64-byte payloads, MQTT 3.1.1):
            losses
   qos1     QoS 1 end to end, 4 publishers x 32 in flight, clean sessions, for a bounded time: msgs/s, p50/p99
            latency
-  fanout   QoS 0, 1 publisher -> 50 subscribers, a bounded count: deliveries/s
+  fanout   QoS 0, 1 publisher -> 50 subscribers, a bounded count: deliveries/s; the subscribers are the C ones
+           (bench/cloadgen's sub mode) when it is built, else bench/loadgen.py's (--msg-generator)
   idle     5000 idle connections (keep alive 60): connect rate, broker RSS and CPU per connection; opened by the C
            generator bench/cloadgen when it is built (make cloadgen), else by bench/loadgen.py's Python one
   offline  100 000 QoS 1 messages to a persistent offline subscriber (edge-gateway: durable LMDB with fsync group
            commits; Mosquitto: persistence false; amqtt: memory), then the drain on reconnect
   qos2     QoS 2 end to end, exactly once, 4 publishers x 32 in flight, clean sessions: msgs/s, PUBCOMPs/s,
            p50/p99 latency, duplicates, losses
-  retained 10 000 retained topics, then 100 clients connect at once and subscribe to #: retained deliveries/s
+  retained 10 000 retained topics, then 100 clients connect at once and subscribe to #: retained deliveries/s;
+           subscribers as for fanout
   kill     durable QoS 1, SIGKILL mid-run: acknowledged messages lost after restart (Mosquitto: persistence true,
            default autosave_interval)
   fanin_tls, qos1_tls   fanin and qos1 over TLS: both brokers' listeners with the same server certificate and key,
@@ -85,7 +87,9 @@ from loadgen import (  # noqa: E402
     run_publisher_qos0,
     run_publisher_qos1,
     run_retained_subscribers,
+    run_retained_subscribers_c,
     run_subscribers,
+    run_subscribers_c,
     self_check,
 )
 
@@ -114,11 +118,14 @@ class Params:
     amqtt_cap: float = 45.0  # seconds a single amqtt cell may take
     selfcheck_seconds: float = 1.5
     idle_generator: str = "auto"  # "c" (bench/cloadgen), "python" (loadgen.run_idle), "auto": C when it is built
+    # the fan-out and retained rows' subscribers: "c" (cloadgen sub), "python" (loadgen.run_subscribers,
+    # run_retained_subscribers), "auto": C when it is built
+    msg_generator: str = "auto"
 
 
 QUICK = Params(runs=1, fanin_per_pub=10_000, qos1_seconds=1.5, fanout_msgs=2_000, idle_conns=5000,
                offline_msgs=20_000, qos2_seconds=1.5, retained_topics=2_000, retained_subs=20, kill_after=1.0,
-               amqtt_cap=20.0, selfcheck_seconds=0.7)
+               amqtt_cap=20.0, selfcheck_seconds=0.7, msg_generator="python")
 
 
 @dataclass(frozen=True)
@@ -379,8 +386,10 @@ def scenario_retained(b: Broker, p: Params, budget: float, info: dict[str, Any])
     publish_retained(t, "bench/ret/", n)
     time.sleep(0.2)
     w = Workers(budget)
+    c_subs = msg_generator(p) == "c"
     try:
-        name = w.spawn(run_retained_subscribers, t, subs, "#", n, w.ctl)
+        # the C subscribers run in the worker's child process, on its core; their CPU enters w.load (loadgen._Out)
+        name = w.spawn(run_retained_subscribers_c if c_subs else run_retained_subscribers, t, subs, "#", n, w.ctl)
         w.collect("ready", [name], 20)
         meter = Meter(b)
         w.ctl.go.set()
@@ -388,13 +397,18 @@ def scenario_retained(b: Broker, p: Params, budget: float, info: dict[str, Any])
         cpu = meter.cpu_us(r["unique"])
         info["core1_busy"] = meter.core_busy()
         info["core0_foreign"] = meter.foreign()
-        info["bound"] = {"retained.rate": (max(w.load([name]), info["core1_busy"]), meter.broker_busy())}
+        own = w.load([name])  # the subscribers' processes (the C program's CPU included) over their span
+        info["bound"] = {"retained.rate": (max(own, info["core1_busy"]), meter.broker_busy())}
     finally:
         w.close()
     if r.get("error"):
         raise RuntimeError(r["error"])
     info["checks"] = {"expected": n * subs, "delivered": r["unique"], "dups": r["dups"], "bad": r["bad"],
-                      "not_retained": r["not_retained"], "subacks": r["subacks"], "closed": r["closed"]}
+                      "not_retained": r["not_retained"], "subacks": r["subacks"], "closed": r["closed"],
+                      "generator": "C" if c_subs else "Python", "generator_load": round(own, 3)}
+    if c_subs:  # the C subscribers' own CPU, and per delivery beside the broker's (retained.cpu)
+        info["checks"]["generator_busy"] = round(r["generator_cpu_s"] / max(1e-9, r["generator_elapsed"]), 3)
+        info["checks"]["generator_us_per_delivery"] = round(r["generator_cpu_s"] / max(1, r["unique"]) * 1e6, 3)
     return {"retained.rate": r["unique"] / max(1e-9, (r["last_ns"] - r["t_start_ns"]) / 1e9),
             "retained.lost": n * subs - r["unique"], "retained.cpu": cpu}
 
@@ -403,13 +417,18 @@ def scenario_fanout(b: Broker, p: Params, budget: float, info: dict[str, Any]) -
     assert b.target is not None
     t = b.target
     w = Workers(budget)
+    c_subs = msg_generator(p) == "c"
     try:
-        groups = 5
         names = []
-        for g in range(groups):
-            specs = [SubSpec(f"bench-fo-sub{i}", "bench/fanout/#", 0, pubs=1, per_pub=p.fanout_msgs)
-                     for i in range(g, p.fanout_subs, groups)]
-            names.append(w.spawn(run_subscribers, t, specs, w.ctl, idle=1.0))
+        if c_subs:  # every subscriber in one C process (its CPU enters w.load: loadgen._Out)
+            names.append(w.spawn(run_subscribers_c, t, p.fanout_subs, "bench/fanout/#", w.ctl, pubs=1,
+                                 per_pub=p.fanout_msgs, client_id_prefix="bench-fo-sub", idle=1.0))
+        else:
+            groups = 5
+            for g in range(groups):
+                specs = [SubSpec(f"bench-fo-sub{i}", "bench/fanout/#", 0, pubs=1, per_pub=p.fanout_msgs)
+                         for i in range(g, p.fanout_subs, groups)]
+                names.append(w.spawn(run_subscribers, t, specs, w.ctl, idle=1.0))
         w.collect("ready", names, 30)
         pub = w.spawn(run_publisher_qos0, t, 0, "bench/fanout/p0", p.fanout_msgs, w.ctl)
         w.collect("ready", [pub], 20)
@@ -418,16 +437,22 @@ def scenario_fanout(b: Broker, p: Params, budget: float, info: dict[str, Any]) -
         done = w.collect("done", [pub], budget)[pub]
         w.ctl.expect.value = done["sent"]
         w.ctl.pubs_done.set()
-        m = merge_subscribers(w.collect("done", names, budget))
+        subs_done = w.collect("done", names, budget)
+        m = merge_subscribers(subs_done)
         cpu = meter.cpu_us(m["unique"])
         info["core1_busy"] = meter.core_busy()
         info["core0_foreign"] = meter.foreign()
-        info["bound"] = {"fanout.rate": (max(w.load(), info["core1_busy"]), meter.broker_busy())}
+        own = w.load()  # the load generator's processes (the C program's CPU included) over their span
+        info["bound"] = {"fanout.rate": (max(own, info["core1_busy"]), meter.broker_busy())}
     finally:
         w.close()
     expected = done["sent"] * p.fanout_subs
     info["checks"] = {"sent": done["sent"], "expected": expected, "dups": m["dups"],
-                      "out_of_order": m["out_of_order"], "bad": m["bad"]}
+                      "out_of_order": m["out_of_order"], "bad": m["bad"], "generator": "C" if c_subs else "Python",
+                      "generator_load": round(own, 3)}
+    if c_subs:  # the C subscribers' own CPU per delivery, beside the broker's (fanout.cpu)
+        gen_cpu = sum(r.get("generator_cpu_s", 0.0) for r in subs_done.values())
+        info["checks"]["generator_us_per_delivery"] = round(gen_cpu / max(1, m["unique"]) * 1e6, 3)
     if m["unique"] < expected and time.monotonic() > w.ctl.deadline:
         raise TimeoutError(f"only {m['unique']} of {expected} deliveries within {budget:.0f} s")
     return {"fanout.rate": m["unique"] / max(1e-9, (m["last_ns"] - done["t_start_ns"]) / 1e9),
@@ -441,6 +466,20 @@ def idle_generator(p: Params) -> str:
         RuntimeError: "c" was asked for and bench/cloadgen is not built.
     """
     if p.idle_generator == "python" or (p.idle_generator == "auto" and cloadgen_binary() is None):
+        return "python"
+    if cloadgen_binary() is None:
+        raise RuntimeError("bench/cloadgen/cloadgen is not built (make cloadgen)")
+    return "c"
+
+
+def msg_generator(p: Params) -> str:
+    """"c" or "python": whose subscribers the fan-out and retained rows use (``p.msg_generator``; "auto" is C
+    when bench/cloadgen is built).
+
+    Raises:
+        RuntimeError: "c" was asked for and bench/cloadgen is not built.
+    """
+    if p.msg_generator == "python" or (p.msg_generator == "auto" and cloadgen_binary() is None):
         return "python"
     if cloadgen_binary() is None:
         raise RuntimeError("bench/cloadgen/cloadgen is not built (make cloadgen)")
@@ -650,8 +689,8 @@ def summarize(values: list[float], kind: str) -> str:
 
 def ceilings(sc: dict[str, Any], fanout_subs: int) -> dict[str, float]:
     """Per-scenario ceilings of the load generator: publisher and subscriber share core 1, so a scenario's
-    ceiling is 1 / (1/publish + 1/subscribe) in its own unit. The connect ceiling is the C generator's
-    (``connect_c``) when the self-check measured it."""
+    ceiling is 1 / (1/publish + 1/subscribe) in its own unit. The connect and fan-out ceilings are the C
+    generator's (``connect_c``, ``subscribe_fanout_c``) when the self-check measured them."""
 
     def both(a: float, b: float) -> float:
         return 1 / (1 / a + 1 / b)
@@ -663,7 +702,8 @@ def ceilings(sc: dict[str, Any], fanout_subs: int) -> dict[str, float]:
         "fanin": both(rate("publish_qos0"), rate("subscribe_qos0")),
         "qos1": both(rate("publish_qos1"), rate("subscribe_qos1")),
         "qos1_pub": rate("publish_qos1"),
-        "fanout": both(rate("publish_qos0") * fanout_subs, rate("subscribe_fanout")),
+        "fanout": both(rate("publish_qos0") * fanout_subs,
+                       rate("subscribe_fanout_c" if "subscribe_fanout_c" in sc else "subscribe_fanout")),
         "connect": rate("connect_c" if "connect_c" in sc else "connect"),
         "offline_pub": rate("publish_qos1"),
         "offline_drain": rate("subscribe_qos1"),
@@ -823,12 +863,17 @@ def main() -> int:
     ap.add_argument("--idle-generator", choices=("auto", "c", "python"), default="auto",
                     help="the idle scenario's opener: the C one (bench/cloadgen, make cloadgen), the Python one "
                     "(bench/loadgen.py), or auto: C when it is built")
+    ap.add_argument("--msg-generator", choices=("auto", "c", "python"),
+                    help="the fan-out and retained rows' subscribers: the C ones (bench/cloadgen sub, make cloadgen), "
+                    "the Python ones (bench/loadgen.py), or auto: C when it is built (default; --quick: python)")
     ap.add_argument("--out", default=str(RESULTS / "latest.md"))
     args = ap.parse_args()
     p = QUICK if args.quick else Params()
     if args.runs:
         p.runs = args.runs
     p.idle_generator = args.idle_generator
+    if args.msg_generator:
+        p.msg_generator = args.msg_generator
     scenarios = args.only.split(",") if args.only else list(SCENARIOS)
     brokers = [k for k in (*KINDS, bench_brokers.METRICS_KIND) if k in args.brokers.split(",")]
     for s in scenarios:
@@ -858,13 +903,22 @@ def main() -> int:
         if "idle" in scenarios:
             print(f"# idle connections opened by the {'C (bench/cloadgen)' if c_idle else 'Python'} generator",
                   file=sys.stderr)
+        c_msg = msg_generator(p) == "c"
+        if {"fanout", "retained"} & set(scenarios):
+            print(f"# fan-out and retained subscribers: {'C (bench/cloadgen sub)' if c_msg else 'Python'}",
+                  file=sys.stderr)
+        c_fanout = "fanout" in scenarios and c_msg
         only = None  # every check
         if args.only:
             only = set().union(*(SELF_CHECKS.get(s, set()) for s in scenarios))
             if c_idle:
                 only.add("connect_c")
+            if c_fanout:  # the fan-out row's ceiling is the C subscribers' (ceilings())
+                only.add("subscribe_fanout_c")
+                if "fanin" not in scenarios and "fanin_acl" not in scenarios:
+                    only.discard("subscribe_fanout")
         sc = self_check(p.selfcheck_seconds, pin=two_cores, connections=min(p.idle_conns, 2000), only=only,
-                        c_generator=c_idle)
+                        c_generator=c_idle, c_subscribers=c_fanout)
         ceil = ceilings(sc, p.fanout_subs)
         for name, r in sc.items():
             print(f"#   {name:<18} {r['rate']:>12,.0f}/s", file=sys.stderr)
@@ -988,6 +1042,8 @@ def write_report(path: Path, table: str, foot: list[str], p: Params, vers: dict[
         f"- fan-in: 4 x {p.fanin_per_pub} messages; QoS 1: {p.qos1_seconds} s; fan-out: {p.fanout_msgs} messages "
         f"x {p.fanout_subs} subscribers; idle: {p.idle_conns} connections (opener: {p.idle_generator}, "
         f"{'bench/cloadgen built' if cloadgen_binary() else 'bench/cloadgen not built'}); "
+        f"fan-out and retained subscribers: {'C (bench/cloadgen sub)' if msg_generator(p) == 'c' else 'Python'} "
+        f"(--msg-generator {p.msg_generator}); "
         f"offline: {p.offline_msgs} messages; "
         f"kill: SIGKILL {p.kill_after} s after the publishers start",
         "",

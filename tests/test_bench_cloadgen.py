@@ -1,21 +1,30 @@
-"""The C idle-connection load generator of the benchmarks (bench/cloadgen; docs/benchmarks.md, "The C load
-generator"), built by its Makefile rule and run against a real edge-gateway and a real Mosquitto on ephemeral
-loopback ports: every connection it reports is one the broker saw (``$SYS/broker/clients/connected``, and
-Mosquitto's log of each CONNECT), it holds them until its stdin closes, and it refuses any host but 127.0.0.1.
-Behaviour only, never speed.
+"""The C load generator of the benchmarks (bench/cloadgen; docs/benchmarks.md, "The C load generator"), built by
+its Makefile rule and run against a real edge-gateway and a real Mosquitto on ephemeral loopback ports.
+
+The idle opener: every connection it reports is one the broker saw (``$SYS/broker/clients/connected``, and
+Mosquitto's log of each CONNECT), it holds them until its stdin closes. The subscribers (``cloadgen sub``): with a
+real publisher (paho) they count every message once and flag duplicates, late and malformed payloads, retained
+ones without RETAIN; they frame a stream cut anywhere. Both refuse any host but 127.0.0.1. Behaviour only, never
+speed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import re
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
 from auth_helpers import MosquittoBroker
 from helpers import BrokerProcess, RawClient, wait_until
@@ -164,3 +173,205 @@ def test_self_check_runs_the_c_generator_through_the_harness_against_the_c_sink(
     r = res["connect_c"]
     assert (r["connected"], r["failed"], r["sink_connacks"]) == (200, 0, 200), r
     assert r["rate"] > 0 and r["generator_cpu"] >= 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cloadgen sub: the fan-out and retained rows' subscribers (bench/cloadgen/sub.c)
+
+PER_PUB = 150  # messages from each of two publisher ids
+SUBSCRIBERS = 5
+
+
+def _payload(pub: int, seq: int) -> bytes:
+    """bench/loadgen.py's payload: publisher id, sequence number, send time, padding to 64 bytes."""
+    return struct.pack(">HIQ", pub, seq, 0).ljust(64, b".")
+
+
+def _publish(port: int, messages: list[tuple[str, bytes, bool]]) -> None:
+    """paho (MQTT 3.1.1) publishes ``(topic, payload, retain)`` in order at QoS 1 and waits for every PUBACK."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="csub-publisher", protocol=mqtt.MQTTv311)
+    client.max_queued_messages_set(0)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        infos = [client.publish(topic, payload, qos=1, retain=retain) for topic, payload, retain in messages]
+        for info in infos:
+            info.wait_for_publish(timeout=15)
+            assert info.is_published()
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def _sub(exe: str, port: int, *options: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """cloadgen sub with SUBSCRIBERS subscribers (user name bench); its ready line."""
+    proc = subprocess.Popen([exe, "sub", "--host", "127.0.0.1", "--port", str(port), "--subscribers",
+                             str(SUBSCRIBERS), "--username", "bench", "--timeout", "30", *options],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.kill()
+        pytest.fail(f"cloadgen sub was not ready: {proc.communicate()[1]}")
+    return proc, json.loads(line)
+
+
+def _report(proc: subprocess.Popen[str], *lines: str, subscribers: int = SUBSCRIBERS) -> dict[str, Any]:
+    """Writes the control lines, then waits for the report (stdin stays open until it came: its end would stop
+    the run); the program exits 0."""
+    assert proc.stdin is not None and proc.stdout is not None
+    for line in lines:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+    out = proc.stdout.readline()
+    rest, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0 and rest == "", err
+    report: dict[str, Any] = json.loads(out)
+    assert report["generator"] == "cloadgen" and len(report["subscribers"]) == subscribers
+    return report
+
+
+def _sequence_stream() -> list[tuple[str, bytes, bool]]:
+    """Publishers 0 and 1, PER_PUB messages each, interleaved; among them a duplicate (publisher 0, seq 5 again),
+    a payload of 10 bytes, a publisher id the subscribers were not told of (7), and one 200 bytes long; publisher 1's
+    seq 100 held back to the very end (new, but below what publisher 1 reached: out of order)."""
+    msgs = [(f"bench/csub/p{p}", _payload(p, s), False) for s in range(PER_PUB) for p in (0, 1) if (p, s) != (1, 100)]
+    msgs.insert(40, ("bench/csub/p0", _payload(0, 5), False))
+    msgs.insert(80, ("bench/csub/p0", b"short", False))
+    msgs.insert(120, ("bench/csub/p7", _payload(7, 1), False))
+    msgs.insert(160, ("bench/csub/p0", _payload(0, 6) + bytes(136), False))
+    msgs.append(("bench/csub/p1", _payload(1, 100), False))
+    return msgs
+
+
+@pytest.mark.parametrize("broker", ["edge-gateway", "mosquitto"])
+def test_csub_counts_every_message_and_flags_dups_order_and_bad_payloads(cloadgen: str, broker: str,
+                                                                         tmp_path: Path) -> None:
+    """Five C subscribers on a real broker, a real publisher (paho): each counts every distinct message of both
+    publishers exactly once and flags the duplicate, the late one and the three malformed payloads; it stops
+    once each has the expected count (the line "expect N" on stdin), DISCONNECTs and exits 0."""
+    with _broker(broker, tmp_path) as port:
+        proc, ready = _sub(cloadgen, port, "--topic-filter", "bench/csub/#", "--pubs", "2", "--per-pub", "64",
+                           "--client-id-prefix", "csub-", "--idle", "5")
+        try:
+            assert ready == {"ready": SUBSCRIBERS, "subscribers": SUBSCRIBERS}
+            msgs = _sequence_stream()
+            _publish(port, msgs)
+            report = _report(proc, f"expect {2 * PER_PUB}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert report["expect"] == 2 * PER_PUB
+    assert [s["client_id"] for s in report["subscribers"]] == [f"csub-{i}" for i in range(SUBSCRIBERS)]
+    for s in report["subscribers"]:
+        assert (s["received"], s["unique"], s["unique_per_pub"]) == (len(msgs), 2 * PER_PUB, [PER_PUB, PER_PUB]), s
+        assert (s["dups"], s["out_of_order"], s["bad"]) == (1, 1, 3), s
+        assert (s["not_retained"], s["suback"], s["closed_by_broker"]) == (len(msgs), True, False), s
+        assert report["t_connect_ns"] <= s["first_ns"] <= s["last_ns"], s
+
+
+def test_csub_retained_at_once_checks_retain_and_sequence(cloadgen: str, gateway: BrokerProcess) -> None:
+    """--at-once --retained on edge-gateway: the subscribers connect, then on "go" each sends CONNECT and
+    SUBSCRIBE `#` in one write; each gets every retained message once with RETAIN set; a retained copy of seq 5
+    on another topic is a duplicate and a payload of 3 bytes is bad. --expect is one more than there are, so it
+    is never reached, and --expect alone does not stop for want of data (a slow broker is waited for): the run
+    ends at its --timeout, long after --idle."""
+    n = 200
+    _publish(gateway.port, [(f"bench/ret/{i}", _payload(0, i), True) for i in range(n)]
+             + [("bench/ret/copy", _payload(0, 5), True), ("bench/ret/short", b"abc", True)])
+    proc, ready = _sub(cloadgen, gateway.port, "--topic-filter", "#", "--at-once", "--retained", "--expect",
+                       str(n + 1), "--client-id-prefix", "cret-", "--idle", "0.2", "--timeout", "3")
+    try:
+        assert ready == {"ready": SUBSCRIBERS, "subscribers": SUBSCRIBERS}
+        report = _report(proc, "go")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for s in report["subscribers"]:
+        assert (s["received"], s["unique"], s["dups"], s["bad"], s["not_retained"]) == (n + 2, n, 1, 1, 0), s
+        assert (s["suback"], s["closed_by_broker"], s["out_of_order"]) == (True, False, 0), s
+    assert report["t_connect_ns"] <= report["t_start_ns"] <= min(s["first_ns"] for s in report["subscribers"])
+    assert report["elapsed"] >= 2.5  # the deadline ended it, not --idle
+
+
+def test_csub_through_the_harness_finds_the_sinks_injected_faults(cloadgen: str) -> None:
+    """``loadgen.py --self-check --faults --only subscribe_qos0_c,subscribe_fanout_c``: bench/run.py's path
+    (run_subscribers_c in a worker, the control lines, merge_subscribers) against the sink's stream, which drops
+    publisher 0's seq 10, sends seq 20 twice and seq 31 before 30 in the one-subscriber check."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "loadgen.py"), "--self-check", "--json", "--no-pin",
+                           "--seconds", "0.3", "--faults", "--only", "subscribe_qos0_c,subscribe_fanout_c"],
+                          capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    r = res["subscribe_qos0_c"]
+    assert r["subscribers"] == 1 and r["received"] == r["expected_each"] + 1, r
+    assert (r["unique"], r["lost"], r["dups"], r["out_of_order"], r["bad"]) == (r["expected_each"], 1, 1, 1, 0), r
+    f = res["subscribe_fanout_c"]
+    assert f["subscribers"] == 50 and f["received"] == f["unique"] == 50 * f["expected_each"], f
+    assert (f["lost"], f["dups"], f["out_of_order"], f["bad"]) == (0, 0, 0, 0), f
+    assert r["generator_cpu"] >= 0 and f["generator_cpu"] >= 0
+
+
+def test_csub_frames_packets_cut_anywhere(cloadgen: str) -> None:
+    """A scripted server on 127.0.0.1 writes the PUBLISH stream in pieces of 1 to 7 bytes (so packets and their
+    Remaining Length are cut between reads) with a 5,000-byte PUBLISH in the middle (longer than what is carried
+    over between reads: dropped, counted bad): every other message is counted once. One more is expected than
+    is sent: the run ends --idle seconds after the last data, the line "expect N" having said the publishers are
+    done."""
+    rng = random.Random(7)
+    packets = [Publish(f"bench/cut/{'x' * (i % 150)}", _payload(0, i), 0).encode(4) for i in range(120)]
+    packets.insert(60, Publish("bench/cut/long", bytes(5000), 0).encode(4))
+    stream = b"".join(packets)
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        proc = subprocess.Popen([cloadgen, "sub", "--port", str(ls.getsockname()[1]), "--subscribers", "1",
+                                 "--topic-filter", "bench/cut/#", "--idle", "1", "--timeout", "30"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = ls.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(10)
+                assert conn.recv(1024)[:1] == b"\x10"  # CONNECT
+                conn.sendall(b"\x20\x02\x00\x00")
+                assert conn.recv(1024)[:1] == b"\x82"  # SUBSCRIBE, Packet Identifier 1
+                conn.sendall(b"\x90\x03\x00\x01\x00")
+                assert proc.stdout is not None and json.loads(proc.stdout.readline())["ready"] == 1
+                pos = 0
+                while pos < len(stream):
+                    step = rng.randint(1, 7) if pos < len(stream) // 2 else rng.randint(1, 700)
+                    conn.sendall(stream[pos:pos + step])
+                    pos += step
+                    time.sleep(0.0003)
+                report = _report(proc, "expect 121", subscribers=1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    s = report["subscribers"][0]
+    assert (s["received"], s["unique"], s["dups"], s["out_of_order"], s["bad"]) == (121, 120, 0, 0, 1), s
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "localhost", "::1"])
+def test_csub_refuses_any_host_but_loopback(cloadgen: str, host: str) -> None:
+    proc = subprocess.run([cloadgen, "sub", "--host", host, "--port", "1883", "--subscribers", "1",
+                           "--topic-filter", "#"], capture_output=True, text=True, timeout=10)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert f"refusing host {host}: only 127.0.0.1 (loopback) is allowed" in proc.stderr
+
+
+@contextlib.contextmanager
+def _broker(kind: str, tmp_path: Path) -> Iterator[int]:
+    """A real edge-gateway or Mosquitto on an ephemeral loopback port; yields the port."""
+    if kind == "mosquitto":
+        with MosquittoBroker(tmp_path, "allow_anonymous true") as mosq:
+            yield mosq.port
+        return
+    proc = BrokerProcess('[listeners.external]\nbind = "127.0.0.1:0"\n', workdir=str(tmp_path)).start()
+    try:
+        yield proc.port
+    finally:
+        assert proc.stop() == 0, proc.log()

@@ -1,5 +1,7 @@
 /*
- * cloadgen: the idle-connection load generator of the benchmarks in C (docs/benchmarks.md, "The C load generator").
+ * cloadgen: the load generator of the benchmarks in C where bench/loadgen.py's Python one was the bound
+ * (docs/benchmarks.md, "The C load generator"): the idle-connection opener and its sink here, the message rows'
+ * subscribers in sub.c.
  *
  * bench/loadgen.py's run_idle opens connections from Python, and on the benchmark machine that, not the broker, was
  * the limit of Mosquitto's connect rate. This program does the same work with non-blocking sockets and epoll, the
@@ -26,6 +28,9 @@
  *       discards everything else, and on stdin's end (or after --hold seconds) prints
  *         {"connections": n, "connacks": n}.
  *
+ *   cloadgen sub ...
+ *       The subscribers of the message rows (fan-out, retained): sub.c says what they do and check.
+ *
  * Loopback only: --host accepts 127.0.0.1 and nothing else, and the sink binds 127.0.0.1. RLIMIT_NOFILE's soft
  * limit is raised as far as the connections need (up to the hard limit); when the hard limit is too low it says
  * so on stderr and the connections past it count as failed.
@@ -50,17 +55,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#define LOOPBACK "127.0.0.1"
-#define MAX_EVENTS 256
+#include "cloadgen.h"
 
-static volatile sig_atomic_t stop_requested;
+volatile sig_atomic_t stop_requested;
 
 static void on_signal(int sig) {
     (void)sig;
     stop_requested = 1;
 }
 
-static double now_s(void) {
+double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
@@ -76,31 +80,35 @@ static int hold_wait_ms(double hold, double until) {
     return ms > 1000 ? 1000 : ms;
 }
 
-static double cpu_s(void) {
+double cpu_s(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
            (double)ru.ru_stime.tv_usec / 1e6;
 }
 
-static void die(const char *what) {
+void die(const char *what) {
     fprintf(stderr, "cloadgen: %s: %s\n", what, strerror(errno));
     exit(1);
 }
 
-static void usage(const char *msg) {
+void usage(const char *msg) {
     fprintf(stderr,
             "cloadgen: %s\n"
             "usage: cloadgen idle --port P [--connections N] [--concurrency C] [--keep-alive S] [--username U]\n"
             "                     [--client-id-prefix X] [--timeout S] [--hold S] [--cpu K] [--host 127.0.0.1]\n"
-            "       cloadgen sink [--hold S] [--cpu K]\n",
+            "       cloadgen sink [--hold S] [--cpu K]\n"
+            "       cloadgen sub --port P --subscribers N --topic-filter F [--pubs K] [--per-pub M] [--expect N]\n"
+            "                    [--retained] [--at-once] [--username U] [--client-id-prefix X] [--keep-alive S]\n"
+            "                    [--timeout S] [--idle S] [--coalesce-us U] [--max-seq N] [--cpu K]\n"
+            "                    [--host 127.0.0.1]\n",
             msg);
     exit(2);
 }
 
 /* The soft RLIMIT_NOFILE raised to `want` (at most the hard limit); returns the soft limit now in force. With
  * `warn`, says on stderr when it stays below `want`. */
-static long raise_nofile(long want, int warn) {
+long raise_nofile(long want, int warn) {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0) die("getrlimit");
     rlim_t target = (rl.rlim_max != RLIM_INFINITY && (rlim_t)want > rl.rlim_max) ? rl.rlim_max : (rlim_t)want;
@@ -118,7 +126,7 @@ static long raise_nofile(long want, int warn) {
     return (long)rl.rlim_cur;
 }
 
-static void pin_cpu(int cpu) {
+void pin_cpu(int cpu) {
     if (cpu < 0) return;
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -126,7 +134,7 @@ static void pin_cpu(int cpu) {
     if (sched_setaffinity(0, sizeof set, &set) != 0) die("sched_setaffinity");
 }
 
-static long parse_long(const char *s, const char *name, long lo, long hi) {
+long parse_long(const char *s, const char *name, long lo, long hi) {
     char *end;
     errno = 0;
     long v = strtol(s, &end, 10);
@@ -138,7 +146,7 @@ static long parse_long(const char *s, const char *name, long lo, long hi) {
     return v;
 }
 
-static double parse_seconds(const char *s, const char *name) {
+double parse_seconds(const char *s, const char *name) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
@@ -150,7 +158,7 @@ static double parse_seconds(const char *s, const char *name) {
     return v;
 }
 
-static void reset_close(int fd) {
+void reset_close(int fd) {
     struct linger lg = {1, 0};
     setsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
     close(fd);
@@ -181,7 +189,7 @@ struct idle_opts {
 
 /* CONNECT, MQTT 3.1.1 §3.1: protocol name "MQTT", level 4, flags Clean Session (+ User Name), Keep Alive,
  * then the Client Identifier and the user name, each a two-byte length and its bytes. */
-static size_t encode_connect(uint8_t *out, const char *client_id, const char *username, int keep_alive) {
+size_t encode_connect(uint8_t *out, const char *client_id, const char *username, int keep_alive) {
     size_t idlen = strlen(client_id), ulen = username ? strlen(username) : 0;
     size_t remaining = 10 + 2 + idlen + (username ? 2 + ulen : 0);
     size_t i = 0;
@@ -540,10 +548,17 @@ static int run_sink(double hold) {
 /* ------------------------------------------------------------------------------------------------------------ */
 
 int main(int argc, char **argv) {
-    if (argc < 2) usage("a mode is needed: idle or sink");
+    if (argc < 2) usage("a mode is needed: idle, sink or sub");
     const char *mode = argv[1];
     int is_idle = strcmp(mode, "idle") == 0, is_sink = strcmp(mode, "sink") == 0;
-    if (!is_idle && !is_sink) usage("the mode is idle or sink");
+    if (strcmp(mode, "sub") == 0) {
+        struct sigaction sa = {.sa_handler = on_signal};
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+        signal(SIGPIPE, SIG_IGN);
+        return run_sub(argc - 2, argv + 2);
+    }
+    if (!is_idle && !is_sink) usage("the mode is idle, sink or sub");
     struct idle_opts o = {.port = 0, .n = 5000, .concurrency = 64, .keep_alive = 60, .username = NULL,
                           .prefix = NULL, .timeout = 60.0, .hold = -1};
     int cpu = -1;

@@ -1,0 +1,42 @@
+/*
+ * What the modes of cloadgen share (bench/cloadgen/cloadgen.c: idle, sink, the helpers and main; sub.c: the
+ * subscribers of the message rows). docs/benchmarks.md, "The C load generator".
+ */
+#ifndef CLOADGEN_H
+#define CLOADGEN_H
+
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define LOOPBACK "127.0.0.1"
+#define MAX_EVENTS 256
+
+/* set by SIGTERM/SIGINT: every loop ends and reports */
+extern volatile sig_atomic_t stop_requested;
+
+/* CLOCK_MONOTONIC, seconds */
+double now_s(void);
+/* this process's user + system CPU (getrusage), seconds */
+double cpu_s(void);
+/* a system error: says `what` and errno on stderr, exit status 1 */
+void die(const char *what);
+/* a usage error: says `msg` and the usage on stderr, exit status 2 */
+void usage(const char *msg);
+/* the soft RLIMIT_NOFILE raised towards `want` (at most the hard limit); the soft limit now in force */
+long raise_nofile(long want, int warn);
+/* pins the process to core `cpu` (< 0: left alone) */
+void pin_cpu(int cpu);
+/* option values; a bad one is a usage error */
+long parse_long(const char *s, const char *name, long lo, long hi);
+double parse_seconds(const char *s, const char *name);
+/* close with SO_LINGER 0: a reset, no TIME_WAIT left behind */
+void reset_close(int fd);
+/* CONNECT, MQTT 3.1.1 §3.1 (Clean Session 1, user name when not NULL) into `out` (600 bytes suffice for a
+ * client identifier of 300 and a user name of 256); its length */
+size_t encode_connect(uint8_t *out, const char *client_id, const char *username, int keep_alive);
+
+/* cloadgen sub (sub.c): argv after the mode */
+int run_sub(int argc, char **argv);
+
+#endif
