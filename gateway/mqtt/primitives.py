@@ -50,7 +50,7 @@ def vbi_size(value: int) -> int:
     return 3 if value < 2_097_152 else 4
 
 
-def decode_vbi(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+def decode_vbi(buf: bytes, pos: int) -> tuple[int, int]:
     """Decode a Variable Byte Integer at ``pos``.
 
     Raises:
@@ -76,7 +76,7 @@ def encode_u16(value: int) -> bytes:
     return _U16.pack(value)
 
 
-def decode_u16(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+def decode_u16(buf: bytes, pos: int) -> tuple[int, int]:
     """Decode a Two Byte Integer. Raises :class:`MalformedPacket` when fewer than 2 bytes remain."""
     if pos + 2 > len(buf):
         raise MalformedPacket("Two Byte Integer runs past the end of the packet")
@@ -88,7 +88,7 @@ def encode_u32(value: int) -> bytes:
     return _U32.pack(value)
 
 
-def decode_u32(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+def decode_u32(buf: bytes, pos: int) -> tuple[int, int]:
     """Decode a Four Byte Integer. Raises :class:`MalformedPacket` when fewer than 4 bytes remain."""
     if pos + 4 > len(buf):
         raise MalformedPacket("Four Byte Integer runs past the end of the packet")
@@ -115,7 +115,7 @@ def _encode_prefixed(data: bytes, name: str) -> bytes:
     return _U16.pack(len(data)) + data
 
 
-def _decode_prefixed(buf: bytes | memoryview, pos: int, name: str) -> tuple[bytes, int]:
+def _decode_prefixed(buf: bytes, pos: int, name: str) -> tuple[bytes, int]:
     """The bytes after a 2-byte length at ``pos`` and the position after them (Binary Data, UTF-8 Encoded String:
     ``name``). Raises :class:`MalformedPacket` when the length or the bytes run past the end."""
     if pos + 2 > len(buf):
@@ -127,7 +127,7 @@ def _decode_prefixed(buf: bytes | memoryview, pos: int, name: str) -> tuple[byte
     return bytes(buf[start:end]), end
 
 
-def decode_binary(buf: bytes | memoryview, pos: int) -> tuple[bytes, int]:
+def decode_binary(buf: bytes, pos: int) -> tuple[bytes, int]:
     """Decode Binary Data. Raises :class:`MalformedPacket` when the declared length runs past the end."""
     return _decode_prefixed(buf, pos, "Binary Data")
 
@@ -155,7 +155,7 @@ def check_string(value: str) -> None:
         raise MalformedPacket("UTF-8 Encoded String contains a surrogate code point [MQTT-1.5.4-1]") from None
 
 
-def decode_string(buf: bytes | memoryview, pos: int) -> tuple[str, int]:
+def decode_string(buf: bytes, pos: int) -> tuple[str, int]:
     """Decode a UTF-8 Encoded String.
 
     Raises:
@@ -170,7 +170,7 @@ def decode_string(buf: bytes | memoryview, pos: int) -> tuple[str, int]:
     if end > len(buf):
         raise MalformedPacket("UTF-8 Encoded String runs past the end of the packet")
     try:
-        value = str(buf[start:end], "utf-8")
+        value = buf[start:end].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedPacket(f"invalid UTF-8 in a UTF-8 Encoded String [MQTT-1.5.4-1]: {exc.reason}") from None
     if "\x00" in value:

@@ -179,7 +179,7 @@ _BOOLEAN: Final = frozenset(
 _NONZERO: Final = frozenset({P.RECEIVE_MAXIMUM, P.MAXIMUM_PACKET_SIZE, P.SUBSCRIPTION_IDENTIFIER, P.TOPIC_ALIAS})
 
 
-def decode_properties(buf: bytes | memoryview, pos: int, packet_type: int) -> tuple[Properties, int]:
+def decode_properties(buf: bytes, pos: int, packet_type: int) -> tuple[Properties, int]:
     """Decode a Property Length and the properties after it.
 
     Args:

@@ -59,7 +59,7 @@ _HEAD_MAX: Final = 96  # bytes of a long name kept readable in its hashed form
 _HEAD_PAD: Final = 97  # the head padded with 0x01 to this length, then 64 hex characters
 
 _MSG: Final = struct.Struct("!BBdd")  # qos, flags, received_at, expires_at (-1 = none)
-_MSG_TOPIC: Final = struct.Struct("!BBddH")  # _MSG and the topic's length, read in one go
+_MSG_TOPIC: Final = struct.Struct("!BBddH")  # _MSG and the topic's length: the fixed head of decode_message
 _DEL: Final = struct.Struct("!QBBHBdB")  # mid, qos, retain, packet_id, state, expires_at, n_sub_ids
 _SESS: Final = struct.Struct("!dddB")  # expiry_interval, expires_at, will_at (-1 = none), protocol_level
 _SUB: Final = struct.Struct("!BBBBI")  # qos, no_local, rap, retain_handling, sub_id (0 = none)
@@ -67,6 +67,7 @@ _INB: Final = struct.Struct("!Qd")
 _OUT: Final = struct.Struct("!QB")  # mid, qos (then the remote topic)
 _U64: Final = struct.Struct("!Q")
 _U16: Final = struct.Struct("!H")
+_TIMES: Final = struct.Struct("!dd")  # a message record's received_at and expires_at (decode_message)
 _PATCH: Final = struct.Struct("!HB")  # a queue row's Packet Identifier and state (patch_delivery)
 # The records' fixed sizes as compile-time constants (bytes): the compiled code reads them without an attribute
 # lookup on the Struct.
@@ -171,22 +172,26 @@ def encode_message(m: Message) -> bytes:
 
 def decode_message(mid: int, data: bytes, pos: int = 0) -> Message:
     """Inverse of :func:`encode_message`, for the record at ``pos`` (on the paths that page queues back in: no
-    re-validation of what :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/
+    re-validation of what :func:`encode_message` wrote). Raises ``MalformedPacket``/``struct.error``/``IndexError``/
     ``UnicodeDecodeError`` on a damaged record."""
-    qos, flags, received_at, expires_at, n = _MSG_TOPIC.unpack_from(data, pos)
+    # The bytes read one by one and the two doubles with one struct call: compiled, a third of the time of
+    # unpacking _MSG_TOPIC's five fields into a tuple (the drain decodes every paged-in message here).
+    qos = data[pos]
+    flags = data[pos + 1]
+    received_at, expires_at = _TIMES.unpack_from(data, pos + 2)
+    n = (data[pos + 18] << 8) | data[pos + 19]
     pos += _MSG_TOPIC_SIZE
-    topic = str(data[pos:pos + n], "utf-8")
+    topic = data[pos:pos + n].decode("utf-8")
     pos += n
-    (n,) = _U16.unpack_from(data, pos)
+    n = (data[pos] << 8) | data[pos + 1]
     pos += 2
-    sender = str(data[pos:pos + n], "utf-8") if n else None
+    sender = data[pos:pos + n].decode("utf-8") if n else None
     pos += n
     if data[pos] == 0:
         props, pos = NO_PROPERTIES, pos + 1
     else:
         props, pos = decode_properties(data, pos, PUBLISH)
-    return Message(mid, topic, bytes(data[pos:]), qos, bool(flags & 1), props, received_at, _unopt(expires_at),
-                   sender)
+    return Message(mid, topic, data[pos:], qos, bool(flags & 1), props, received_at, _unopt(expires_at), sender)
 
 
 def payload_length(data: bytes) -> int:
