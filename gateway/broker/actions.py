@@ -19,7 +19,9 @@ __all__ = ["ABORT", "CLOSE", "KEEP_OPEN", "NO_ACTIONS", "UNTIL_RELEASED", "Actio
 
 #: :attr:`Action.close`: keep the connection open; close it once ``data`` is written (a FIN, then a short linger so
 #: the client reads the last packet); abort it at once (nothing more can be written: ``send_timeout``).
-KEEP_OPEN, CLOSE, ABORT = 0, 1, 2
+KEEP_OPEN: Final = 0
+CLOSE: Final = 1
+ABORT: Final = 2
 
 #: :attr:`Action.pause_until` of a publisher held back while a consumer is congested: until the core no longer
 #: holds it back (``Broker.holds_back``), not until a time.

@@ -5,7 +5,7 @@ QoS, RETAIN) variant and reused for every subscriber."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from gateway.broker.actions import NO_ACTIONS, Action
 from gateway.broker.message import Message
@@ -53,7 +53,10 @@ def send(core: BrokerState, conn: Connection, packet: Any) -> None:
 
 
 #: The first byte of each acknowledgement of a PUBLISH flow (MQTT 5.0 §3.4-3.7; PUBREL's flags are 0010).
-PUBACK_BYTE, PUBREC_BYTE, PUBREL_BYTE, PUBCOMP_BYTE = 0x40, 0x50, 0x62, 0x70
+PUBACK_BYTE: Final = 0x40
+PUBREC_BYTE: Final = 0x50
+PUBREL_BYTE: Final = 0x62
+PUBCOMP_BYTE: Final = 0x70
 
 
 def send_ack(core: BrokerState, conn: Connection, first: int, pid: int) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from gateway.broker.native_classes import mypyc_attr
 from gateway.broker.queue_pager import QueuePager
@@ -44,7 +44,9 @@ __all__ = [
 #: so what waits on this barrier may go at once (the core holds nothing). OWN: the barrier waits, and changes were
 #: recorded since the previous barrier. ORDER: the barrier waits only for the order of acknowledgements (nothing
 #: was recorded since the previous barrier).
-DURABLE, OWN, ORDER = 0, 1, 2
+DURABLE: Final = 0
+OWN: Final = 1
+ORDER: Final = 2
 
 if TYPE_CHECKING:
     from gateway.broker.message import Delivery, Message

@@ -23,8 +23,21 @@ from gateway.mqtt.properties import NO_PROPERTIES, WILL, Properties, decode_prop
 from gateway.mqtt.reason_codes import ReasonCode
 from gateway.mqtt.topics import require_topic
 
-CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
-SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT, AUTH = 8, 9, 10, 11, 12, 13, 14, 15
+CONNECT: Final = 1
+CONNACK: Final = 2
+PUBLISH: Final = 3
+PUBACK: Final = 4
+PUBREC: Final = 5
+PUBREL: Final = 6
+PUBCOMP: Final = 7
+SUBSCRIBE: Final = 8
+SUBACK: Final = 9
+UNSUBSCRIBE: Final = 10
+UNSUBACK: Final = 11
+PINGREQ: Final = 12
+PINGRESP: Final = 13
+DISCONNECT: Final = 14
+AUTH: Final = 15
 
 MQTT_3_1: Final = 3
 MQTT_3_1_1: Final = 4

@@ -67,7 +67,13 @@ class PropertyId(IntEnum):
 
 P: Final = PropertyId
 
-_BYTE, _U16, _U32, _VBI, _STR, _BIN, _PAIR = range(7)
+_BYTE: Final = 0
+_U16: Final = 1
+_U32: Final = 2
+_VBI: Final = 3
+_STR: Final = 4
+_BIN: Final = 5
+_PAIR: Final = 6
 
 #: Data type of each property (MQTT 5.0 §2.2.2.2).
 PROPERTY_TYPES: Final[dict[int, int]] = {
