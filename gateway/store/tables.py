@@ -45,7 +45,7 @@ class Tables:
         return cls(*(env.open_db(name.encode()) for name in DB_NAMES))
 
     def __iter__(self) -> Iterator[Any]:
-        """The handles in ``DB_NAMES`` order (spelled out: the writer sums the tables' sizes after every commit)."""
+        """The handles in ``DB_NAMES`` order (spelled out: the writer sums the tables' sizes on opening)."""
         return iter((self.meta, self.messages, self.sessions, self.subs, self.queue, self.inbound, self.retained,
                      self.outbox))
 
