@@ -134,6 +134,12 @@ void pin_cpu(int cpu) {
     if (sched_setaffinity(0, sizeof set, &set) != 0) die("sched_setaffinity");
 }
 
+int check_host(const char *host) {
+    if (strcmp(host, LOOPBACK) == 0) return 0;
+    fprintf(stderr, "cloadgen: refusing host %s: only %s (loopback) is allowed\n", host, LOOPBACK);
+    return 2;
+}
+
 long parse_long(const char *s, const char *name, long lo, long hi) {
     char *end;
     errno = 0;
@@ -570,11 +576,7 @@ int main(int argc, char **argv) {
         if (i + 1 >= argc) usage("every option takes a value");
         const char *v = argv[++i];
         if (strcmp(a, "--host") == 0) {
-            /* a hard rule of the benchmarks: traffic goes to loopback only */
-            if (strcmp(v, LOOPBACK) != 0) {
-                fprintf(stderr, "cloadgen: refusing host %s: only %s (loopback) is allowed\n", v, LOOPBACK);
-                return 2;
-            }
+            if (check_host(v) != 0) return 2;
         } else if (strcmp(a, "--port") == 0) {
             o.port = (int)parse_long(v, "port", 1, 65535);
         } else if (strcmp(a, "--connections") == 0) {

@@ -27,6 +27,9 @@ void usage(const char *msg);
 long raise_nofile(long want, int warn);
 /* pins the process to core `cpu` (< 0: left alone) */
 void pin_cpu(int cpu);
+/* a --host value: 0 when it is LOOPBACK, else says why on stderr and returns 2 (the benchmarks' hard rule:
+ * traffic goes to loopback only) */
+int check_host(const char *host);
 /* option values; a bad one is a usage error */
 long parse_long(const char *s, const char *name, long lo, long hi);
 double parse_seconds(const char *s, const char *name);

@@ -421,11 +421,7 @@ int run_sub(int argc, char **argv) {
         if (i + 1 >= argc) usage("every option but --retained and --at-once takes a value");
         const char *v = argv[++i];
         if (strcmp(a, "--host") == 0) {
-            /* a hard rule of the benchmarks: traffic goes to loopback only */
-            if (strcmp(v, LOOPBACK) != 0) {
-                fprintf(stderr, "cloadgen: refusing host %s: only %s (loopback) is allowed\n", v, LOOPBACK);
-                return 2;
-            }
+            if (check_host(v) != 0) return 2;
         } else if (strcmp(a, "--port") == 0) {
             o.port = (int)parse_long(v, "port", 1, 65535);
         } else if (strcmp(a, "--subscribers") == 0) {
