@@ -43,6 +43,14 @@ from gateway.store.lmdb_store import LmdbStore, StoreSettings
 from gateway.store.writer import _Q_DEL, _Q_SENT
 
 
+def pages_bytes(store: LmdbStore) -> int:
+    """Bytes of the pages of all the store's tables, as committed (what ``used_bytes`` must say)."""
+    assert store.env is not None
+    with store.env.begin() as txn:
+        return sum(s["psize"] * (s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"])
+                   for s in (txn.stat(db) for db in store.tables))
+
+
 class PagedSession:
     """A persistent session's Message Queue on a real LmdbStore, used the way the broker uses it: every entry is
     recorded in the store before it is pushed, and popped or dropped entries are deleted from it."""
@@ -118,8 +126,10 @@ class PagedSession:
         (self.session,) = self.loaded.sessions
 
     def rows(self) -> tuple[int, int]:
-        """(queue rows, message rows) in the store, committed."""
+        """(queue rows, message rows) in the store, committed; checks that the store's ``used_bytes`` is still the
+        bytes of all its tables' pages (it stats only the tables a commit changed)."""
         assert self.store.env is not None
+        assert self.store.used_bytes == pages_bytes(self.store)
         with self.store.env.begin() as txn:
             return (txn.stat(self.store.tables.queue)["entries"], txn.stat(self.store.tables.messages)["entries"])
 
@@ -241,6 +251,61 @@ def test_paged_rows_shared_by_two_sessions_keep_their_message(tmp_path: Path) ->
         assert paged.rows() == (3, 3)
         for _ in range(3):
             paged.store.delivery_deleted("sub2", other.mqueue.pop())
+        paged.commit()
+        assert paged.rows() == (0, 0)
+    finally:
+        paged.close()
+
+
+def test_used_bytes_stays_the_bytes_of_every_tables_pages(tmp_path: Path) -> None:
+    """``used_bytes`` (what ``has_room`` compares with ``max_size``) is kept by stat-ing only the tables a commit
+    changed: through queue rows with and without a message row, sent and deleted deliveries, retained, inbound and
+    outbox rows, a session's removal and thousands of rows (table depths change), it stays the bytes of every
+    table's pages."""
+    paged = PagedSession(tmp_path / "store", 0, 10)
+    store = paged.store
+    try:
+        assert store.used_bytes == pages_bytes(store)
+        other = Session("sub2", ZoneLimits(max_mqueue_len=0), expiry_interval=NEVER)
+        other.start_receiving()
+        store.session_saved(other)
+        for tag in range(1, 3001):
+            message = Message(tag, f"t/{tag % 50}", b"x" * (tag % 700), 1, False, {}, 0.0)
+            delivery = Delivery(message, 1)
+            store.delivery_saved("sub", delivery)
+            paged.tags[delivery.seq] = tag
+            paged.session.mqueue.push(delivery)
+            if tag % 3 == 0:  # a second reference: a message row
+                store.delivery_saved("sub2", Delivery(message, 1))
+            if tag % 10 == 0:
+                store.retained_saved(message)
+                store.inbound_saved("sub", tag % 100 + 1, message)
+            if tag % 500 == 0:
+                paged.commit()
+                assert paged.rows()[0] > 0
+        sent = []
+        for pid in range(1, 1501):  # sent (the row patched with its Packet Identifier), deleted in a later commit
+            delivery = paged.session.mqueue.pop()
+            delivery.packet_id = pid
+            store.delivery_saved("sub", delivery)
+            sent.append(delivery)
+        paged.commit()
+        paged.rows()
+        for delivery in sent:
+            store.delivery_deleted("sub", delivery)
+        paged.commit()
+        paged.rows()
+        for topic in range(25):
+            store.retained_deleted(f"t/{topic}")
+        store.session_deleted("sub2")
+        paged.commit()
+        paged.rows()
+        while len(paged.session.mqueue):
+            store.delivery_deleted("sub", paged.session.mqueue.pop())
+        for pid in range(1, 101):
+            store.inbound_deleted("sub", pid)
+        for topic in range(25, 50):
+            store.retained_deleted(f"t/{topic}")
         paged.commit()
         assert paged.rows() == (0, 0)
     finally:

@@ -278,7 +278,9 @@ class Broker(BrokerState):
             return actions
         for i, action in enumerate(actions):
             if action.conn is conn:
-                actions[i] = action._replace(pause_until=pause, more=more)
+                # The constructor, not NamedTuple._replace: that one runs as interpreted Python, once per part of
+                # a run of PUBACKs.
+                actions[i] = Action(conn, action.data, action.close, action.reason, pause, more)
                 return actions
         return [*actions, Action(conn, [], conn.closing, conn.close_reason, pause, more)]
 

@@ -33,14 +33,15 @@ from gateway.store.open_batch import (
     SESS_DEL,
 )
 
-# Which tables the operations of a kind change besides their own (bits of BatchApplier.kinds): every kind but
-# PUT, DEL and Q_SENT may add or remove a message row; a session's removal empties its rows in four tables.
+# Which tables the operations of a kind change (bits of BatchApplier.kinds): a session's removal empties its rows
+# in four tables. The messages table has a bit of its own, set where a message row is written or deleted (most
+# queue rows carry their message: deleting one leaves the messages table as it was).
 _QUEUE_KINDS: Final = (1 << Q_PUT) | (1 << Q_DEL) | (1 << Q_SENT) | (1 << SESS_DEL)
 _INBOUND_KINDS: Final = (1 << IN_PUT) | (1 << IN_DEL) | (1 << SESS_DEL)
 _RETAINED_KINDS: Final = (1 << RET_PUT) | (1 << RET_DEL)
 _OUTBOX_KINDS: Final = (1 << OB_PUT) | (1 << OB_DEL)
-_MESSAGE_KINDS: Final = _QUEUE_KINDS & ~(1 << Q_SENT) | _INBOUND_KINDS | _RETAINED_KINDS | _OUTBOX_KINDS
 _SESSION_KINDS: Final = 1 << SESS_DEL
+_MESSAGES_CHANGED: Final = 1 << 16  # above every operation kind (open_batch)
 
 
 def drop_superseded(ops: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -73,8 +74,10 @@ class BatchApplier:
         top_mid: no message row has a higher mid: the queue rows of a newer message are gathered and written with
             one ``putmulti`` per table (:meth:`apply`). It stays raised when a transaction fails: a higher bound
             only sends more rows down the one-at-a-time path, which is right for any message.
-        kinds: bit ``1 << kind`` for every kind of operation applied since :meth:`begin` (:meth:`tables_changed`).
-        puts: the ``(PUT|DEL, table)`` operations' tables since :meth:`begin` (sessions, subs, meta).
+        kinds: bit ``1 << kind`` for every kind of operation applied since :meth:`begin`, and
+            ``_MESSAGES_CHANGED`` once a message row was written or deleted (:meth:`tables_changed`).
+        puts: the ``(PUT|DEL, table)`` operations' tables since :meth:`begin` (sessions, subs; not meta, see
+            :meth:`tables_changed`).
     """
 
     def __init__(self, tables: Any) -> None:
@@ -101,16 +104,17 @@ class BatchApplier:
         self.puts = []
 
     def tables_changed(self) -> list[Any]:
-        """The tables the operations applied since :meth:`begin` may have changed (handles, each once; meta
-        always: every commit writes ``next_mid`` and ``next_seq``)."""
+        """The tables whose pages the operations applied since :meth:`begin` may have changed (handles, each
+        once). Never meta: it holds three rows of a few bytes (``format``, written when the store is made,
+        ``next_mid`` and ``next_seq``), one page from the start, and rewriting them keeps it one page."""
         kinds = self.kinds
-        out: list[Any] = [self.meta]
+        out: list[Any] = []
         for db in self.puts:
             if db not in out:
                 out.append(db)
         for bits, db in ((_QUEUE_KINDS, self.queue), (_INBOUND_KINDS, self.inbound),
                          (_RETAINED_KINDS, self.retained), (_OUTBOX_KINDS, self.outbox),
-                         (_MESSAGE_KINDS, self.messages), (_SESSION_KINDS, self.sessions),
+                         (_MESSAGES_CHANGED, self.messages), (_SESSION_KINDS, self.sessions),
                          (_SESSION_KINDS, self.subs)):
             if kinds & bits and db not in out:
                 out.append(db)
@@ -155,10 +159,12 @@ class BatchApplier:
                 if value is not None:
                     queue.put(key, rec.patch_delivery(value, op[2], op[3]))
             elif kind == PUT:
-                self.puts.append(op[1])
+                if op[1] is not self.meta:
+                    self.puts.append(op[1])
                 txn.put(op[2], op[3], db=op[1])
             elif kind == DEL:
-                self.puts.append(op[1])
+                if op[1] is not self.meta:
+                    self.puts.append(op[1])
                 txn.delete(op[2], db=op[1])
             elif kind in (IN_PUT, RET_PUT):
                 # A row that replaces another (same key) moves its reference to the new message.
@@ -210,6 +216,7 @@ class BatchApplier:
             else:
                 rows.append((key, value + record))
         if messages:
+            self.kinds |= _MESSAGES_CHANGED
             txn.cursor(self.messages).putmulti(messages)
         queue.putmulti(rows)
         # ref's shortcut ("the last message row put has one reference") must not take an inline message for one
@@ -228,6 +235,7 @@ class BatchApplier:
             # One reference or none: the message row tells (a put that finds it reports False).
             if mid != self.last_put_mid and txn.put(rec.u64(mid), rec.encode_message(message), db=self.messages,
                                                     overwrite=False):
+                self.kinds |= _MESSAGES_CHANGED
                 self.last_put_mid = mid
                 return
             count = 1
@@ -239,6 +247,7 @@ class BatchApplier:
         refs = self.refs
         count = refs.get(mid)
         if count is None:
+            self.kinds |= _MESSAGES_CHANGED
             txn.delete(rec.u64(mid), db=self.messages)
             if mid == self.last_put_mid:
                 self.last_put_mid = 0
