@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import shutil
+import subprocess
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
@@ -64,13 +68,18 @@ class OptionalBuildExt(build_ext):
     def run(self) -> None:
         if not self.extensions:
             return
-        try:
-            super().run()
-        except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-            _say(f"compiling gateway/mqtt, gateway/broker and the store's records.py, open_batch.py and applier.py "
-                 f"failed ({type(exc).__name__}: {exc}); installing the pure-Python code")
-            self._remove_outputs()
-            return
+        if CACHE["hit"]:
+            self._copy_from_cache(CACHE["hit"])
+        else:
+            try:
+                super().run()
+            except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
+                _say(f"compiling gateway/mqtt, gateway/broker and the store's records.py, open_batch.py and "
+                     f"applier.py failed ({type(exc).__name__}: {exc}); installing the pure-Python code")
+                self._remove_outputs()
+                return
+            if CACHE["key"]:
+                self._save_to_cache(CACHE["key"])
         # What gateway/native.py compares with the .py files beside the modules: an edited source makes it run the
         # .py files until the next build instead of stale compiled code.
         record = Path(self.get_ext_fullpath(GROUP + "__mypyc")).with_name("_core__mypyc.sources")
@@ -84,6 +93,35 @@ class OptionalBuildExt(build_ext):
             _say(f"compiling {ext.name} failed ({type(exc).__name__}: {exc})")
             raise
 
+    def _copy_from_cache(self, entry: Path) -> None:
+        """The compiled modules of an earlier build of the same sources (:func:`_cached`), where a compile would
+        write them."""
+        for ext in self.extensions:
+            target = Path(self.get_ext_fullpath(ext.name))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(entry / ext.name, target)
+            target.chmod(0o755)
+
+    def _save_to_cache(self, key: str) -> None:
+        """Keep what this build compiled under ``CACHE_DIR/key`` (written aside, then renamed: a concurrent build
+        never reads half an entry), and only the ``CACHE_KEEP`` newest entries. A cache that cannot be written
+        costs the next build a compile, nothing else."""
+        entry = CACHE_DIR / key
+        part = CACHE_DIR / f".{key}.{os.getpid()}"
+        try:
+            part.mkdir(parents=True)
+            for ext in self.extensions:
+                shutil.copyfile(self.get_ext_fullpath(ext.name), part / ext.name)
+            (part / "extensions").write_text("".join(f"{ext.name}\n" for ext in self.extensions))
+            part.rename(entry)
+        except OSError:
+            shutil.rmtree(part, ignore_errors=True)
+            return
+        entries = sorted((p for p in CACHE_DIR.iterdir() if not p.name.startswith(".")),
+                         key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in entries[CACHE_KEEP:]:
+            shutil.rmtree(old, ignore_errors=True)
+
     def _remove_outputs(self) -> None:
         for ext in self.extensions:
             Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)  # in place for `pip install -e`
@@ -93,6 +131,44 @@ class OptionalBuildExt(build_ext):
 
 #: SHA-256 of each compiled source as mypyc read it, by path.
 SOURCES: dict[str, str] = {}
+
+#: Compiled modules kept by what decides their bytes (:func:`_cache_key`): building the same core again (the
+#: image's wheel, built by each provisioning run after ``make venv`` compiled the same sources) copies them instead
+#: of running mypyc and the C compiler again (about 90 s of CPU). The bytes do not depend on the project's directory
+#: (the prefix maps in :func:`_extensions`), so a copy is what a compile would give. ``EDGE_GATEWAY_CORE_CACHE=0``
+#: compiles regardless. image/build.sh copies it into the source snapshot it provisions from.
+CACHE_DIR = HERE / "build" / "core-cache"
+CACHE_KEEP = 3  # entries (about 6 MB each): a few source versions back
+CACHE_RECIPE = "1"  # bump when the compile below changes in a way the key does not see
+#: This build's key (``None``: no cache) and the entry it found (``None``: compile).
+CACHE: dict[str, Any] = {"key": None, "hit": None}
+
+
+def _cache_key(opt_level: str) -> str | None:
+    """SHA-256 of the compiled sources, mypy (mypyc and its runtime), the Python (its version, ABI and flags), the
+    machine and the C compiler (its ``--version``); ``None`` when the compiler cannot say."""
+    import mypy.version
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    try:
+        compiler = subprocess.run([*cc[:1], "--version"], capture_output=True, text=True, check=True,
+                                  timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    parts = [CACHE_RECIPE, mypy.version.__version__, sys.version, platform.machine(), opt_level, compiler,
+             *(str(sysconfig.get_config_var(name)) for name in ("EXT_SUFFIX", "CC", "CFLAGS", "LDSHARED")),
+             *(f"{path} {digest}" for path, digest in sorted(SOURCES.items()))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _cached(key: str) -> list[Any] | None:
+    """The extensions of cache entry ``key`` (names only: :meth:`OptionalBuildExt.run` copies their files), or
+    ``None`` when there is no such entry."""
+    names = CACHE_DIR / key / "extensions"
+    if not names.is_file():
+        return None
+    CACHE["hit"] = CACHE_DIR / key
+    return [Extension(name, sources=[]) for name in names.read_text().split()]
 
 
 def _extensions() -> list[Any]:
@@ -106,10 +182,19 @@ def _extensions() -> list[Any]:
              "(EDGE_GATEWAY_COMPILE=1 has pip fetch mypy for the build: docs/compiled.md)")
         return []
     SOURCES.update({path: hashlib.sha256((HERE / path).read_bytes()).hexdigest() for path in COMPILED})
+    opt_level = "3"
+    if os.environ.get("EDGE_GATEWAY_CORE_CACHE") != "0":
+        CACHE["key"] = _cache_key(opt_level)
+        cached = _cached(CACHE["key"]) if CACHE["key"] else None
+        if cached is not None:
+            _say(f"the compiled modules of these sources come from {CACHE['hit'].relative_to(HERE)} (the same "
+                 "sources, mypy, Python and C compiler; EDGE_GATEWAY_CORE_CACHE=0 compiles them again)")
+            return cached
     cwd = os.getcwd()
     os.chdir(HERE)  # mypycify takes paths relative to the project and writes its C sources under build/
     try:
-        extensions = list(mypycify(["--strict", *COMPILED], opt_level="3", group_name=GROUP, target_dir="build/mypyc"))
+        extensions = list(mypycify(["--strict", *COMPILED], opt_level=opt_level, group_name=GROUP,
+                                   target_dir="build/mypyc"))
     except SystemExit as exc:  # mypyc exits on a type error: the .py files are the source, so this is a bug
         raise SystemExit(f"edge-gateway build: mypyc refused the core ({exc.code}): see `make lint`") from None
     finally:

@@ -167,6 +167,12 @@ rm -rf "$src"
 mkdir -p "$src"
 git -C "$ROOT_DIR" ls-files -z --cached --others --exclude-standard \
     | tar -C "$ROOT_DIR" --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$src" -xf -
+# The compiled core of these sources, when `make venv` built it (setup.py's build/core-cache): the playbook's wheel
+# build copies it instead of running mypyc and the C compiler again, in each provisioning run.
+if [ -d "$ROOT_DIR/build/core-cache" ]; then
+    mkdir -p "$src/build"
+    cp -a "$ROOT_DIR/build/core-cache" "$src/build/"
+fi
 wheels="$OUT/wheels-$ARCH"  # the controller's wheels: the playbook's first play builds them, target_wheels.py reads
 mkdir -p "$wheels"
 # The playbook builds the controller's edge-gateway wheel again; one left by an earlier build under another tag

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -140,3 +141,34 @@ def test_the_build_asks_for_mypy_only_when_compiling_is_asked_for(monkeypatch: p
         assert backend._compile_requires() == expected, (compile_, pure)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert [r for r in extras["test"] if r.startswith("mypy")] == [backend.MYPY]
+
+
+def test_a_build_of_the_same_sources_copies_the_compiled_modules_from_the_core_cache(tmp_path: Path) -> None:
+    """setup.py keeps what it compiled in build/core-cache, keyed by the sources, mypy, Python and the C compiler:
+    a wheel of a snapshot of this checkout with that cache (what image/build.sh provisions from) runs neither mypyc
+    nor the compiler and holds the bytes `make venv` compiled, so the image's wheel is the venv's core."""
+    _compiled_install()
+    cache = ROOT / "build" / "core-cache"
+    if not cache.is_dir() or not any(cache.iterdir()):
+        pytest.skip("no build/core-cache: this install was compiled before setup.py kept one (`make venv`)")
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / name, src / name)
+    shutil.copytree(cache, src / "build" / "core-cache")
+    env = {k: v for k, v in os.environ.items() if k not in (native.PURE_ENV, "EDGE_GATEWAY_CORE_CACHE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(tmp_path / "out"), str(src)],
+        env={**env, "EDGE_GATEWAY_COMPILE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the compiled modules of these sources come from build/core-cache/" in proc.stderr, proc.stderr[-3000:]
+    assert not (src / "build" / "mypyc").exists()  # mypyc did not run
+    (wheel,) = (tmp_path / "out").glob("edge_gateway-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        built = {n: zf.read(n) for n in zf.namelist() if n.endswith(".so")}
+    assert len(built) == len(native.COMPILED_MODULES) + 1  # the modules and their shared library
+    assert built == {name: (ROOT / name).read_bytes() for name in built}  # what this install runs
