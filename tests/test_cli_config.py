@@ -10,6 +10,7 @@ Connection.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -356,3 +357,24 @@ def test_version_verbose_says_how_the_mqtt_codec_runs(tmp_path: Path) -> None:
             assert result.returncode == 0, result.stderr
             assert result.stdout == f"edge-gateway {__version__}\ncore: {core}\n"
             assert result.stderr == ""
+
+
+def test_serve_keeps_the_other_commands_and_websockets_out_of_the_broker(tmp_path: Path) -> None:
+    """`edge-gateway serve` (how systemd starts the broker) parses with serve's parser alone and imports the
+    WebSockets codec only for a websockets listener: the settings, passwd and update commands' modules and the codec
+    (about 2.7 MiB of RSS together) are not in a broker's memory; `edge-gateway --help` still lists every command."""
+    bad = tmp_path / "gw.toml"
+    bad.write_text('[broker]\nlog_level = "loud"\n')
+    probe = (
+        "import sys; from gateway import cli\n"
+        f"code = cli.main(['serve', '--config', {str(bad)!r}])\n"
+        "print(code, 'gateway.server.runner' in sys.modules, sorted(m for m in sys.modules if m.startswith(("
+        "'gateway.update.pull', 'gateway.update.fetch', 'gateway.board_settings', 'gateway.auth.passwd_cli', "
+        "'gateway.server.websocket', 'websockets'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split("\n")[-2] == "78 True []", proc.stdout + proc.stderr
+    assert "log_level" in proc.stderr
+    listing = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, timeout=60)
+    for command in ("serve", "check-config", "store", "passwd", "settings", "update", "version"):
+        assert re.search(rf"^    {command}\b", listing.stdout, re.MULTILINE), listing.stdout
