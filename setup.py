@@ -138,7 +138,7 @@ SOURCES: dict[str, str] = {}
 #: (the prefix maps in :func:`_extensions`), so a copy is what a compile would give. ``EDGE_GATEWAY_CORE_CACHE=0``
 #: compiles regardless. image/build.sh copies it into the source snapshot it provisions from.
 CACHE_DIR = HERE / "build" / "core-cache"
-CACHE_KEEP = 3  # entries (about 6 MB each): a few source versions back
+CACHE_KEEP = 3  # entries (about 4.5 MB each): a few source versions back
 CACHE_RECIPE = "1"  # bump when the compile below changes in a way the key does not see
 #: This build's key (``None``: no cache) and the entry it found (``None``: compile).
 CACHE: dict[str, Any] = {"key": None, "hit": None}
