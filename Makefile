@@ -17,6 +17,7 @@ $(BIN)/python:
 # mypyc (setup.py; EDGE_GATEWAY_COMPILE=1 puts mypy into the build environment: docs/compiled.md): a C compiler and Python's headers are installed first when missing and apt-get can
 # (root); without them the install is the pure-Python code. Any edit of one of those .py files reinstalls
 # (until then gateway/native.py runs the edited .py files, not stale C).
+# A build of sources compiled before (the image's wheel, a reinstall) copies them from build/core-cache (setup.py).
 # bokeh-sampledata: the simulator's real data (NERACOOS buoy B01 sea-surface temperature), without pandas/numpy
 # pysparkplug: the Sparkplug B host application of the tests (an implementation other than the bridge's); its
 # metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
