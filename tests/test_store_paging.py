@@ -259,9 +259,9 @@ def test_paged_rows_shared_by_two_sessions_keep_their_message(tmp_path: Path) ->
 
 def test_used_bytes_stays_the_bytes_of_every_tables_pages(tmp_path: Path) -> None:
     """``used_bytes`` (what ``has_room`` compares with ``max_size``) is kept by stat-ing only the tables a commit
-    changed: through queue rows with and without a message row, sent and deleted deliveries, retained, inbound and
-    outbox rows, a session's removal and thousands of rows (table depths change), it stays the bytes of every
-    table's pages."""
+    changed: through queue rows with and without a message row, sent and deleted deliveries, retained and inbound
+    rows, a session's removal and thousands of rows (table depths change), it stays the bytes of every table's
+    pages."""
     paged = PagedSession(tmp_path / "store", 0, 10)
     store = paged.store
     try:
