@@ -107,11 +107,12 @@ $(AMQTT_VENV)/.installed:
 	$(AMQTT_VENV)/bin/pip install -q 'amqtt==$(AMQTT_VERSION)' && touch $@ || echo "amqtt not installed: its cells will say n/a"
 
 # The load generator in C where bench/loadgen.py's Python one was the bound (docs/benchmarks.md "The C load
-# generator"): the idle-connection opener (bench/cloadgen/cloadgen.c: Mosquitto's connect rate) and the fan-out and
-# retained rows' subscribers (bench/cloadgen/sub.c). libc only; gcc comes with `compiler`.
+# generator"): the idle-connection opener (bench/cloadgen/cloadgen.c: Mosquitto's connect rate), the message rows'
+# subscribers (bench/cloadgen/sub.c) and the QoS 1 and QoS 2 rows' publishers (bench/cloadgen/pub.c). libc only;
+# gcc comes with `compiler`.
 CLOADGEN := bench/cloadgen/cloadgen
 CLOADGEN_CFLAGS := -std=c11 -O2 -Wall -Wextra
-CLOADGEN_SOURCES := bench/cloadgen/cloadgen.c bench/cloadgen/sub.c
+CLOADGEN_SOURCES := bench/cloadgen/cloadgen.c bench/cloadgen/sub.c bench/cloadgen/pub.c
 $(CLOADGEN): $(CLOADGEN_SOURCES) bench/cloadgen/cloadgen.h
 	@command -v gcc >/dev/null || $(MAKE) --no-print-directory compiler
 	gcc $(CLOADGEN_CFLAGS) -o $@ $(CLOADGEN_SOURCES)

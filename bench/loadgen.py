@@ -936,14 +936,23 @@ def _tell(proc: subprocess.Popen[str], line: str) -> None:
     proc.stdin.flush()
 
 
+def bits_to_bytes(hex_bits: str) -> bytes:
+    """A C generator's bit-packed bitmap (bit ``s & 7`` of byte ``s >> 3`` for sequence number ``s``, in hex) as
+    the Python workers keep theirs: one byte, 0 or 1, per sequence number."""
+    return bytes((byte >> bit) & 1 for byte in bytes.fromhex(hex_bits) for bit in range(8))
+
+
 def run_subscribers_c(target: Target, n: int, topic_filter: str, ctl: Control, out: Any, name: str, pubs: int = 1,
-                      per_pub: int = 1024, client_id_prefix: str = "bench-sub-c", idle: float = 1.0) -> None:
-    """:func:`run_subscribers` for ``n`` QoS 0 subscribers done by the C generator (``cloadgen sub``, one process,
-    one thread): the same CONNECT (3.1.1, Clean Session 1, user name :data:`USERNAME`) and SUBSCRIBE, the same
-    checks of every payload (per publisher ``0..pubs-1``: distinct, duplicates, out of order, bad), the same stop
-    (``ctl.expect`` distinct each, or ``idle`` seconds without data once ``ctl.pubs_done``, or the deadline) and the
-    same ``done`` report, which :func:`merge_subscribers` adds up. Client Identifiers are
-    ``{client_id_prefix}{i}``. It reads as :func:`_receive_many` does, waiting COALESCE_SLEEP after small reads.
+                      per_pub: int = 1024, client_id_prefix: str = "bench-sub-c", idle: float = 1.0, qos: int = 0,
+                      latency: bool = False, bitmaps: bool = False) -> None:
+    """:func:`run_subscribers` for ``n`` subscribers done by the C generator (``cloadgen sub``, one process,
+    one thread): the same CONNECT (3.1.1, Clean Session 1, user name :data:`USERNAME`) and SUBSCRIBE at ``qos``,
+    the same acknowledgements (PUBACK; PUBREC, and PUBCOMP per PUBREL), the same checks of every payload (per
+    publisher ``0..pubs-1``: distinct, duplicates, out of order, bad), the same stop (``ctl.expect`` distinct each,
+    or ``idle`` seconds without data once ``ctl.pubs_done``, or the deadline) and the same ``done`` report (with
+    ``latency_ns`` and ``bitmaps`` when asked), which :func:`merge_subscribers` and :func:`latencies_ms` read.
+    Client Identifiers are ``{client_id_prefix}{i}``. At QoS 0 it reads as :func:`_receive_many` does, waiting
+    COALESCE_SLEEP after small reads; at QoS 1 and 2 every read is answered at once, as :func:`_receive_one` does.
 
     The program's own CPU from ``ready`` to its end (getrusage) is the report's ``generator_cpu_s``; the worker
     adds it to its own in :meth:`Workers.load` (the program inherits the worker's core).
@@ -951,9 +960,10 @@ def run_subscribers_c(target: Target, n: int, topic_filter: str, ctl: Control, o
     Raises:
         TargetError, RuntimeError: as :func:`_start_csub` and :func:`_finish_csub`.
     """
-    proc, _ = _start_csub(target, n, topic_filter, ctl, "--pubs", str(pubs), "--per-pub", str(per_pub),
-                          "--client-id-prefix", client_id_prefix, "--idle", str(idle), "--coalesce-us",
-                          str(int(COALESCE_SLEEP * 1e6)))
+    options = ["--qos", str(qos), "--pubs", str(pubs), "--per-pub", str(per_pub), "--client-id-prefix",
+               client_id_prefix, "--idle", str(idle), "--coalesce-us", str(0 if qos else int(COALESCE_SLEEP * 1e6))]
+    proc, _ = _start_csub(target, n, topic_filter, ctl, *options, *(["--latency"] if latency else []),
+                          *(["--bitmaps"] if bitmaps else []))
     try:
         out.put(("ready", name, {"subscribers": n, "generator": "cloadgen"}))
         if ctl.pubs_done.wait(max(0.0, ctl.deadline - time.monotonic())):
@@ -963,8 +973,61 @@ def run_subscribers_c(target: Target, n: int, topic_filter: str, ctl: Control, o
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    for sub in r["subscribers"]:
+        if "latency_ns" in sub:
+            sub["latency_ns"] = array.array("q", sub["latency_ns"]).tobytes()
+        if "bitmaps" in sub:
+            sub["bitmaps"] = [bits_to_bytes(b) for b in sub["bitmaps"]]
     out.put(("done", name, {"t_connect_ns": r["t_connect_ns"], "subscribers": r["subscribers"],
                             "generator_cpu_s": r["cpu_s"], "generator_elapsed": r["elapsed"]}))
+
+
+def run_publishers_c(target: Target, n: int, topic_prefix: str, ctl: Control, out: Any, name: str, window: int = 32,
+                     duration: float = 4.0, qos: int = 1) -> None:
+    """:func:`run_publisher_qos1` for ``n`` publishers done by the C generator (``cloadgen pub``, one process, one
+    thread; bench/cloadgen/pub.c): publisher ``i`` publishes to ``{topic_prefix}{i}`` at ``qos`` (1 or 2) with at
+    most ``window`` unacknowledged for ``duration`` seconds from ``ctl.go``, the same payloads (publisher id,
+    sequence number, send time) and Packet Identifiers. Reports ``ready`` once every CONNACK is in, then one
+    ``done`` with ``publishers``: each one's report as :func:`run_publisher_qos1` gives it (``acked_bitmap`` one
+    byte per sequence number), and the program's CPU from ``go`` as ``generator_cpu_s``.
+
+    Raises:
+        TargetError: as :func:`check_target`.
+        RuntimeError: the program is not built, the target needs TLS or a password, or it exited without its
+            report.
+    """
+    check_target(target)
+    exe = cloadgen_binary()
+    if exe is None:
+        raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
+    if target.cafile or target.password is not None:
+        raise RuntimeError("the C publishers speak plain MQTT without a password: use the Python ones")
+    timeout = max(1.0, ctl.deadline - time.monotonic())
+    cmd = [exe, "pub", "--host", HOST, "--port", str(target.port), "--publishers", str(n), "--topic-prefix",
+           topic_prefix, "--qos", str(qos), "--window", str(window), "--duration", str(duration), "--username",
+           USERNAME, "--client-id-prefix", f"bench-pub-c{os.getpid()}-", "--timeout", f"{timeout:.1f}"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        if not proc.stdout.readline():
+            _, err = proc.communicate(timeout=10)
+            raise RuntimeError(f"cloadgen pub exited with {proc.returncode} before ready: {err.strip()}")
+        out.put(("ready", name, {"publishers": n, "generator": "cloadgen"}))
+        if ctl.go.wait(max(0.0, ctl.deadline - time.monotonic())):
+            _tell(proc, "go")
+        line = proc.stdout.readline()
+        _, err = proc.communicate(timeout=10)
+        if proc.returncode != 0 or not line:
+            raise RuntimeError(f"cloadgen pub exited with {proc.returncode}: {err.strip()}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    r = json.loads(line)
+    for pub in r["publishers"]:
+        pub["acked_bitmap"] = bits_to_bytes(pub["acked_bitmap"])[: pub["sent"]]
+    out.put(("done", name, {"publishers": r["publishers"], "generator_cpu_s": r["cpu_s"],
+                            "generator_elapsed": r["elapsed"]}))
 
 
 def run_retained_subscribers_c(target: Target, n_subs: int, topic_filter: str, expect: int, ctl: Control, out: Any,

@@ -86,6 +86,7 @@ from loadgen import (  # noqa: E402
     run_idle_c,
     run_publisher_qos0,
     run_publisher_qos1,
+    run_publishers_c,
     run_retained_subscribers,
     run_retained_subscribers_c,
     run_subscribers,
@@ -121,6 +122,9 @@ class Params:
     # the fan-out and retained rows' subscribers: "c" (cloadgen sub), "python" (loadgen.run_subscribers,
     # run_retained_subscribers), "auto": C when it is built
     msg_generator: str = "auto"
+    # the QoS 1 and QoS 2 rows' clients: "python" (loadgen.run_subscribers, run_publisher_qos1) or "c"
+    # (cloadgen sub and pub)
+    ack_generator: str = "python"
 
 
 QUICK = Params(runs=1, fanin_per_pub=10_000, qos1_seconds=1.5, fanout_msgs=2_000, idle_conns=5000,
@@ -287,20 +291,44 @@ def scenario_fanin(b: Broker, p: Params, budget: float, info: dict[str, Any]) ->
             "fanin.cpu": cpu}
 
 
+def _acked_clients(w: Workers, t: Any, p: Params, qos: int, seconds: float) -> tuple[str, list[str]]:
+    """The QoS 1 and QoS 2 rows' clients, subscribed and connected: one subscriber to ``bench/q{qos}/#`` at
+    ``qos`` (latency and bitmaps kept) and 4 publishers x 32 in flight to ``bench/q{qos}/p{i}`` for ``seconds``,
+    from bench/loadgen.py (five processes) or bench/cloadgen (``p.ack_generator``: one process each)."""
+    root = f"bench/q{qos}"
+    if ack_generator(p) == "c":
+        sub = w.spawn(run_subscribers_c, t, 1, f"{root}/#", w.ctl, pubs=4, per_pub=1 << 16,
+                      client_id_prefix=f"bench-q{qos}-sub", idle=2.0, qos=qos, latency=True, bitmaps=True)
+        w.collect("ready", [sub], 20)
+        pubs = [w.spawn(run_publishers_c, t, 4, f"{root}/p", w.ctl, window=32, duration=seconds, qos=qos)]
+    else:
+        sub = w.spawn(run_subscribers, t, [SubSpec(f"bench-q{qos}-sub", f"{root}/#", qos, pubs=4, per_pub=1 << 16)],
+                      w.ctl, latency=True, bitmaps=True, idle=2.0)
+        w.collect("ready", [sub], 20)
+        pubs = [w.spawn(run_publisher_qos1, t, i, f"{root}/p{i}", 1 << 30, w.ctl, window=32, duration=seconds,
+                        qos=qos) for i in range(4)]
+    w.collect("ready", pubs, 20)
+    return sub, pubs
+
+
+def _per_publisher(done: dict[str, Any]) -> dict[str, Any]:
+    """The publishers' ``done`` reports, one per publisher (the C generator's one report holds all four)."""
+    flat: dict[str, Any] = {}
+    for name, d in done.items():
+        for i, one in enumerate(d["publishers"]) if "publishers" in d else [(0, d)]:
+            flat[f"{name}-{i}"] = one
+    return flat
+
+
 def scenario_qos1(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> dict[str, float]:
     assert b.target is not None
     t = b.target
     w = Workers(budget)
     try:
-        sub = w.spawn(run_subscribers, t, [SubSpec("bench-q1-sub", "bench/q1/#", 1, pubs=4, per_pub=1 << 16)],
-                      w.ctl, latency=True, bitmaps=True, idle=2.0)
-        w.collect("ready", [sub], 20)
-        pubs = [w.spawn(run_publisher_qos1, t, i, f"bench/q1/p{i}", 1 << 30, w.ctl, window=32,
-                        duration=p.qos1_seconds) for i in range(4)]
-        w.collect("ready", pubs, 20)
+        sub, pubs = _acked_clients(w, t, p, 1, p.qos1_seconds)
         meter = Meter(b)
         w.ctl.go.set()
-        done = w.collect("done", pubs, budget)
+        done = _per_publisher(w.collect("done", pubs, budget))
         sent = sum(d["sent"] for d in done.values())
         w.ctl.expect.value = sent
         w.ctl.pubs_done.set()
@@ -338,15 +366,10 @@ def scenario_qos2(b: Broker, p: Params, budget: float, info: dict[str, Any]) -> 
     t = b.target
     w = Workers(budget)
     try:
-        sub = w.spawn(run_subscribers, t, [SubSpec("bench-q2-sub", "bench/q2/#", 2, pubs=4, per_pub=1 << 16)],
-                      w.ctl, latency=True, bitmaps=True, idle=2.0)
-        w.collect("ready", [sub], 20)
-        pubs = [w.spawn(run_publisher_qos1, t, i, f"bench/q2/p{i}", 1 << 30, w.ctl, window=32,
-                        duration=p.qos2_seconds, qos=2) for i in range(4)]
-        w.collect("ready", pubs, 20)
+        sub, pubs = _acked_clients(w, t, p, 2, p.qos2_seconds)
         meter = Meter(b)
         w.ctl.go.set()
-        done = w.collect("done", pubs, budget)
+        done = _per_publisher(w.collect("done", pubs, budget))
         sent = sum(d["sent"] for d in done.values())
         w.ctl.expect.value = sent
         w.ctl.pubs_done.set()
@@ -470,6 +493,17 @@ def idle_generator(p: Params) -> str:
     if cloadgen_binary() is None:
         raise RuntimeError("bench/cloadgen/cloadgen is not built (make cloadgen)")
     return "c"
+
+
+def ack_generator(p: Params) -> str:
+    """"c" or "python": whose clients the QoS 1 and QoS 2 rows use (``p.ack_generator``).
+
+    Raises:
+        RuntimeError: "c" was asked for and bench/cloadgen is not built.
+    """
+    if p.ack_generator == "c" and cloadgen_binary() is None:
+        raise RuntimeError("bench/cloadgen/cloadgen is not built (make cloadgen)")
+    return p.ack_generator
 
 
 def msg_generator(p: Params) -> str:
@@ -866,12 +900,16 @@ def main() -> int:
     ap.add_argument("--msg-generator", choices=("auto", "c", "python"),
                     help="the fan-out and retained rows' subscribers: the C ones (bench/cloadgen sub, make cloadgen), "
                     "the Python ones (bench/loadgen.py), or auto: C when it is built (default; --quick: python)")
+    ap.add_argument("--ack-generator", choices=("python", "c"), default="python",
+                    help="the QoS 1 and QoS 2 rows' subscriber and publishers: the Python ones (bench/loadgen.py, "
+                    "default) or the C ones (bench/cloadgen sub and pub, make cloadgen)")
     ap.add_argument("--out", default=str(RESULTS / "latest.md"))
     args = ap.parse_args()
     p = QUICK if args.quick else Params()
     if args.runs:
         p.runs = args.runs
     p.idle_generator = args.idle_generator
+    p.ack_generator = args.ack_generator
     if args.msg_generator:
         p.msg_generator = args.msg_generator
     scenarios = args.only.split(",") if args.only else list(SCENARIOS)
@@ -1044,6 +1082,8 @@ def write_report(path: Path, table: str, foot: list[str], p: Params, vers: dict[
         f"{'bench/cloadgen built' if cloadgen_binary() else 'bench/cloadgen not built'}); "
         f"fan-out and retained subscribers: {'C (bench/cloadgen sub)' if msg_generator(p) == 'c' else 'Python'} "
         f"(--msg-generator {p.msg_generator}); "
+        f"QoS 1 and QoS 2 clients: {'C (bench/cloadgen sub, pub)' if p.ack_generator == 'c' else 'Python'} "
+        f"(--ack-generator {p.ack_generator}); "
         f"offline: {p.offline_msgs} messages; "
         f"kill: SIGKILL {p.kill_after} s after the publishers start",
         "",

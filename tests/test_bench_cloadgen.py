@@ -29,6 +29,7 @@ import pytest
 from auth_helpers import MosquittoBroker
 from helpers import BrokerProcess, RawClient, wait_until
 
+from gateway.mqtt.framing import PacketReader
 from gateway.mqtt.packets import Publish, Suback, Subscribe, Subscription
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -363,11 +364,180 @@ def test_csub_refuses_any_host_but_loopback(cloadgen: str, host: str) -> None:
     assert f"refusing host {host}: only 127.0.0.1 (loopback) is allowed" in proc.stderr
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# cloadgen pub and the acknowledging subscriber: the QoS 1 and QoS 2 rows' clients (bench/cloadgen/pub.c, sub.c)
+
+
+def _bits(hex_bits: str) -> list[int]:
+    """The sequence numbers set in a C generator's bit-packed bitmap (bit s & 7 of byte s >> 3)."""
+    data = bytes.fromhex(hex_bits)
+    return [i for i in range(len(data) * 8) if data[i >> 3] >> (i & 7) & 1]
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+@pytest.mark.parametrize("broker", ["edge-gateway", "mosquitto"])
+def test_cpub_and_csub_count_every_acknowledged_message_once(cloadgen: str, broker: str, qos: int,
+                                                              tmp_path: Path) -> None:
+    """Two C publishers (8 in flight each, 0.5 s) and one C subscriber at QoS 1 or 2 on a real broker: every message
+    a publisher saw acknowledged (PUBACK, or PUBCOMP after its PUBREC and PUBREL) reached the subscriber exactly once
+    and in order, which acknowledged each (else the broker's window would stall the run); the bitmaps, the
+    latencies and the counts agree."""
+    # Mosquitto drops what is queued past max_queued_messages (1000 by default) for a subscriber slower than the
+    # publishers: the benchmarks set it as here
+    with _broker(broker, tmp_path, "max_queued_messages 1000000\n") as port:
+        sub = subprocess.Popen([cloadgen, "sub", "--port", str(port), "--subscribers", "1", "--topic-filter",
+                                "bench/cq/#", "--qos", str(qos), "--pubs", "2", "--per-pub", "64", "--latency",
+                                "--bitmaps", "--idle", "5", "--timeout", "30"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pub = subprocess.Popen([cloadgen, "pub", "--port", str(port), "--publishers", "2", "--topic-prefix",
+                                "bench/cq/p", "--qos", str(qos), "--window", "8", "--duration", "0.5",
+                                "--client-id-prefix", "cpub-", "--timeout", "30"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert sub.stdout is not None and json.loads(sub.stdout.readline())["ready"] == 1, sub.stderr
+            assert pub.stdout is not None and json.loads(pub.stdout.readline()) == {"ready": 2}
+            out, err = pub.communicate(input="go\n", timeout=30)
+            assert pub.returncode == 0, err
+            pubs = json.loads(out)["publishers"]
+            total = sum(p["sent"] for p in pubs)
+            report = _report(sub, f"expect {total}", subscribers=1)
+        finally:
+            for proc in (sub, pub):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert [p["pub"] for p in pubs] == [0, 1]
+    for p in pubs:
+        assert p["error"] is None and p["sent"] > 8 and p["acked"] == p["sent"], p
+        assert _bits(p["acked_bitmap"]) == list(range(p["sent"]))
+        assert report["t_connect_ns"] < p["t_start_ns"] <= p["t_end_ns"]
+    s = report["subscribers"][0]
+    assert (s["received"], s["unique"], s["dups"], s["out_of_order"], s["bad"]) == (total, total, 0, 0, 0), s
+    assert s["unique_per_pub"] == [p["sent"] for p in pubs]
+    assert [_bits(b) for b in s["bitmaps"]] == [list(range(p["sent"])) for p in pubs]
+    assert len(s["latency_ns"]) == total and all(0 <= x < 30e9 for x in s["latency_ns"])
+    assert s["suback"] is True and s["closed_by_broker"] is False
+
+
+def test_csub_answers_qos1_qos2_and_pubrel_and_counts_dup_flags(cloadgen: str) -> None:
+    """A scripted server delivers QoS 1 and QoS 2 PUBLISHes (one with DUP set, re-sending a message already
+    delivered) and a PUBREL: the subscriber answers PUBACK, PUBREC and PUBCOMP with their Packet Identifiers, in
+    one write per read, and counts the DUP flag and the duplicate."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        proc = subprocess.Popen([cloadgen, "sub", "--port", str(ls.getsockname()[1]), "--subscribers", "1",
+                                 "--topic-filter", "bench/acks/#", "--qos", "2", "--idle", "0.5", "--timeout", "30"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = ls.accept()
+            with conn:
+                conn.settimeout(10)
+                assert conn.recv(1024)[:1] == b"\x10"  # CONNECT
+                conn.sendall(b"\x20\x02\x00\x00")
+                assert conn.recv(1024)[-1:] == b"\x02"  # SUBSCRIBE at Requested QoS 2
+                conn.sendall(b"\x90\x03\x00\x01\x02")
+                assert proc.stdout is not None and json.loads(proc.stdout.readline())["ready"] == 1
+                first = Publish("bench/acks/a", _payload(0, 0), 1, packet_id=0x0102).encode(4)
+                second = Publish("bench/acks/a", _payload(0, 1), 2, packet_id=0x0304).encode(4)
+                again = Publish("bench/acks/a", _payload(0, 1), 2, packet_id=0x0304, dup=True).encode(4)
+                conn.sendall(first + second + again + b"\x62\x02\x03\x04")  # ... and PUBREL 0x0304
+                want = b"\x40\x02\x01\x02" + b"\x50\x02\x03\x04" * 2 + b"\x70\x02\x03\x04"
+                got = b""
+                while len(got) < len(want):
+                    got += conn.recv(1024)
+                assert got == want
+                report = _report(proc, "expect 3", subscribers=1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    s = report["subscribers"][0]
+    assert (s["received"], s["unique"], s["dups"], s["dup_flag"], s["bad"]) == (3, 2, 1, 1, 0), s
+
+
+def test_cpub_answers_pubrec_with_pubrel_and_reports_a_broker_that_closes(cloadgen: str) -> None:
+    """A scripted server answers the first QoS 2 PUBLISH of the window with PUBREC and then PUBCOMP, then closes:
+    the publisher sent PUBREL for the PUBREC, counts that one message acknowledged and reports the close."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        proc = subprocess.Popen([cloadgen, "pub", "--port", str(ls.getsockname()[1]), "--publishers", "1",
+                                 "--topic-prefix", "bench/rel/p", "--qos", "2", "--window", "4", "--duration", "5",
+                                 "--timeout", "30"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            conn, _ = ls.accept()
+            with conn:
+                conn.settimeout(10)
+                assert conn.recv(1024)[:1] == b"\x10"
+                conn.sendall(b"\x20\x02\x00\x00")
+                assert proc.stdout is not None and json.loads(proc.stdout.readline()) == {"ready": 1}
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                reader = PacketReader(version=4)
+                publishes: list[Publish] = []
+                while len(publishes) < 4:
+                    publishes += [p for p in reader.feed(conn.recv(4096)) if isinstance(p, Publish)]
+                assert [p.packet_id for p in publishes] == [1, 2, 3, 4] and {p.qos for p in publishes} == {2}
+                assert [struct.unpack(">HI", p.payload[:6]) for p in publishes] == [(0, s) for s in range(4)]
+                conn.sendall(b"\x50\x02\x00\x01")  # PUBREC 1
+                assert conn.recv(4) == b"\x62\x02\x00\x01"  # PUBREL 1 (fixed header flags 0010)
+                conn.sendall(b"\x70\x02\x00\x01")  # PUBCOMP 1: the window has room for message 4
+                fifth = b""
+                while not fifth.startswith(b"\x34"):
+                    fifth = conn.recv(4096)
+            out, err = proc.communicate(timeout=15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, err
+    (p,) = json.loads(out)["publishers"]
+    assert (p["sent"], p["acked"], p["error"]) == (5, 1, "connection closed by the broker"), p
+    assert _bits(p["acked_bitmap"]) == [0]
+
+
+@pytest.mark.parametrize("mode", ["sub", "pub"])
+def test_cloadgen_acknowledging_modes_refuse_a_qos_they_do_not_speak(cloadgen: str, mode: str) -> None:
+    options = ["--subscribers", "1", "--topic-filter", "#", "--qos", "3"] if mode == "sub" else [
+        "--publishers", "1", "--topic-prefix", "t", "--qos", "0"]
+    proc = subprocess.run([cloadgen, mode, "--port", "1883", *options], capture_output=True, text=True, timeout=10)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert "qos" in proc.stderr
+
+
+def test_bench_qos_rows_run_on_the_c_clients(tmp_path: Path) -> None:
+    """``bench/run.py --quick --only qos1,qos2 --ack-generator c``: the harness's own path (its edge-gateway, the
+    C subscriber and publishers in its workers, their reports merged and checked for losses and duplicates) fills
+    both rows with every completed message delivered once."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is missing (make compiler installs gcc)")
+    out = tmp_path / "bench.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--only", "qos1,qos2",
+                           "--brokers", "edge-gateway", "--no-selfcheck", "--ack-generator", "c", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "QoS 1 and QoS 2 clients: C (bench/cloadgen sub, pub)" in text
+    for row in ("qos1", "qos2"):
+        line = next(x for x in text.splitlines() if x.startswith(f"run 1 {row} edge-gateway:"))
+        checks = re.search(r"\{'sent': (\d+), '(?:acked|completed)': (\d+), .*'dups': (\d+)", line)
+        assert checks, line
+        sent, acked, dups = map(int, checks.groups())
+        assert sent > 0 and acked == sent and dups == 0, line
+        assert re.search(r": rate=[1-9]", line) and "lost=0.00" in line, line
+    qos2 = next(x for x in text.splitlines() if x.startswith("run 1 qos2 edge-gateway:"))
+    assert re.search(r"'completed': (\d+), 'delivered': \1,", qos2) and "'dup_flag': 0" in qos2, qos2
+
+
 @contextlib.contextmanager
-def _broker(kind: str, tmp_path: Path) -> Iterator[int]:
-    """A real edge-gateway or Mosquitto on an ephemeral loopback port; yields the port."""
+def _broker(kind: str, tmp_path: Path, mosquitto_conf: str = "") -> Iterator[int]:
+    """A real edge-gateway or Mosquitto (with ``mosquitto_conf`` added to its configuration) on an ephemeral
+    loopback port; yields the port."""
     if kind == "mosquitto":
-        with MosquittoBroker(tmp_path, "allow_anonymous true") as mosq:
+        with MosquittoBroker(tmp_path, "allow_anonymous true\n" + mosquitto_conf) as mosq:
             yield mosq.port
         return
     proc = BrokerProcess('[listeners.external]\nbind = "127.0.0.1:0"\n', workdir=str(tmp_path)).start()

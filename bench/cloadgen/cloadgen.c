@@ -1,7 +1,7 @@
 /*
  * cloadgen: the load generator of the benchmarks in C where bench/loadgen.py's Python one was the bound
  * (docs/benchmarks.md, "The C load generator"): the idle-connection opener and its sink here, the message rows'
- * subscribers in sub.c.
+ * subscribers in sub.c, the acknowledged rows' publishers in pub.c.
  *
  * bench/loadgen.py's run_idle opens connections from Python, and on the benchmark machine that, not the broker, was
  * the limit of Mosquitto's connect rate. This program does the same work with non-blocking sockets and epoll, the
@@ -29,7 +29,11 @@
  *         {"connections": n, "connacks": n}.
  *
  *   cloadgen sub ...
- *       The subscribers of the message rows (fan-out, retained): sub.c says what they do and check.
+ *       The subscribers of the message rows (fan-out, retained, QoS 1 and QoS 2 end to end): sub.c says what they
+ *       do and check.
+ *
+ *   cloadgen pub ...
+ *       The publishers of the QoS 1 and QoS 2 end-to-end rows: pub.c says what they do and report.
  *
  * Loopback only: --host accepts 127.0.0.1 and nothing else, and the sink binds 127.0.0.1. RLIMIT_NOFILE's soft
  * limit is raised as far as the connections need (up to the hard limit); when the hard limit is too low it says
@@ -98,9 +102,12 @@ void usage(const char *msg) {
             "usage: cloadgen idle --port P [--connections N] [--concurrency C] [--keep-alive S] [--username U]\n"
             "                     [--client-id-prefix X] [--timeout S] [--hold S] [--cpu K] [--host 127.0.0.1]\n"
             "       cloadgen sink [--hold S] [--cpu K]\n"
-            "       cloadgen sub --port P --subscribers N --topic-filter F [--pubs K] [--per-pub M] [--expect N]\n"
-            "                    [--retained] [--at-once] [--username U] [--client-id-prefix X] [--keep-alive S]\n"
-            "                    [--timeout S] [--idle S] [--coalesce-us U] [--max-seq N] [--cpu K]\n"
+            "       cloadgen sub --port P --subscribers N --topic-filter F [--qos Q] [--pubs K] [--per-pub M]\n"
+            "                    [--expect N] [--retained] [--at-once] [--latency] [--bitmaps] [--username U]\n"
+            "                    [--client-id-prefix X] [--keep-alive S] [--timeout S] [--idle S]\n"
+            "                    [--coalesce-us U] [--max-seq N] [--cpu K] [--host 127.0.0.1]\n"
+            "       cloadgen pub --port P --publishers N --topic-prefix T [--qos 1|2] [--window W] [--duration S]\n"
+            "                    [--username U] [--client-id-prefix X] [--keep-alive S] [--timeout S] [--cpu K]\n"
             "                    [--host 127.0.0.1]\n",
             msg);
     exit(2);
@@ -554,17 +561,17 @@ static int run_sink(double hold) {
 /* ------------------------------------------------------------------------------------------------------------ */
 
 int main(int argc, char **argv) {
-    if (argc < 2) usage("a mode is needed: idle, sink or sub");
+    if (argc < 2) usage("a mode is needed: idle, sink, sub or pub");
     const char *mode = argv[1];
     int is_idle = strcmp(mode, "idle") == 0, is_sink = strcmp(mode, "sink") == 0;
-    if (strcmp(mode, "sub") == 0) {
+    if (strcmp(mode, "sub") == 0 || strcmp(mode, "pub") == 0) {
         struct sigaction sa = {.sa_handler = on_signal};
         sigaction(SIGTERM, &sa, NULL);
         sigaction(SIGINT, &sa, NULL);
         signal(SIGPIPE, SIG_IGN);
-        return run_sub(argc - 2, argv + 2);
+        return mode[0] == 's' ? run_sub(argc - 2, argv + 2) : run_pub(argc - 2, argv + 2);
     }
-    if (!is_idle && !is_sink) usage("the mode is idle, sink or sub");
+    if (!is_idle && !is_sink) usage("the mode is idle, sink, sub or pub");
     struct idle_opts o = {.port = 0, .n = 5000, .concurrency = 64, .keep_alive = 60, .username = NULL,
                           .prefix = NULL, .timeout = 60.0, .hold = -1};
     int cpu = -1;

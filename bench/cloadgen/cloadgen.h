@@ -1,6 +1,7 @@
 /*
  * What the modes of cloadgen share (bench/cloadgen/cloadgen.c: idle, sink, the helpers and main; sub.c: the
- * subscribers of the message rows). docs/benchmarks.md, "The C load generator".
+ * subscribers of the message rows; pub.c: the acknowledged rows' publishers). docs/benchmarks.md, "The C load
+ * generator".
  */
 #ifndef CLOADGEN_H
 #define CLOADGEN_H
@@ -41,5 +42,7 @@ size_t encode_connect(uint8_t *out, const char *client_id, const char *username,
 
 /* cloadgen sub (sub.c): argv after the mode */
 int run_sub(int argc, char **argv);
+/* cloadgen pub (pub.c): argv after the mode */
+int run_pub(int argc, char **argv);
 
 #endif

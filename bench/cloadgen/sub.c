@@ -6,14 +6,15 @@
  * MQTT 3.1.1 CONNECT and SUBSCRIBE written by hand, the PUBLISH stream framed by its Remaining Length (a packet cut
  * between two reads is carried over) and every payload checked as the Python subscribers check it.
  *
- *   cloadgen sub --port P --subscribers N --topic-filter F [--pubs K] [--per-pub M] [--expect N] [--retained]
- *                [--at-once] [--username U] [--client-id-prefix X] [--keep-alive S] [--timeout S] [--idle S]
- *                [--coalesce-us U] [--max-seq N] [--cpu K] [--host 127.0.0.1]
+ *   cloadgen sub --port P --subscribers N --topic-filter F [--qos Q] [--pubs K] [--per-pub M] [--expect N]
+ *                [--retained] [--at-once] [--latency] [--bitmaps] [--username U] [--client-id-prefix X]
+ *                [--keep-alive S] [--timeout S] [--idle S] [--coalesce-us U] [--max-seq N] [--cpu K]
+ *                [--host 127.0.0.1]
  *
  *   Opens N connections to 127.0.0.1:P, Client Identifiers X<i> (i = 0..N-1), CONNECT 3.1.1 with Clean Session 1,
- *   Keep Alive S (60) and user name U when given, then SUBSCRIBE F at QoS 0 (Packet Identifier 1).
+ *   Keep Alive S (60) and user name U when given, then SUBSCRIBE F at QoS Q (0; Packet Identifier 1).
  *     default     each sends CONNECT, SUBSCRIBE once its CONNACK (return code 0) arrived; when every SUBACK
- *                 granted QoS 0 it prints {"ready": N, ...} and counts what arrives from then on (run_subscribers).
+ *                 granted QoS Q it prints {"ready": N, ...} and counts what arrives from then on (run_subscribers).
  *     --at-once   the N TCP connections are made first, then {"ready": N, ...}; on the line "go" on stdin each
  *                 sends CONNECT and SUBSCRIBE in one write, all before any answer is read
  *                 (run_retained_subscribers: 100 clients subscribing to `#` at once).
@@ -26,9 +27,12 @@
  *     dups          a pair seen before
  *     out_of_order  a new pair whose sequence number is below the highest seen from its publisher
  *     bad           payload not 64 bytes, publisher id >= K, sequence number >= --max-seq (1 << 24, or M when
- *                   larger: the bitmaps' bound), or QoS above the 0 subscribed to (a broker must deliver at the
+ *                   larger: the bitmaps' bound), or QoS above the Q subscribed to (a broker must deliver at the
  *                   granted QoS at most, MQTT 3.1.1 §3.8.4)
+ *     dup_flag      QoS 1 or 2 PUBLISH with DUP set
  *     not_retained  PUBLISH without RETAIN
+ *   Every QoS 1 PUBLISH is answered with PUBACK, every QoS 2 one with PUBREC and every PUBREL with PUBCOMP (§4.3),
+ *   whatever its payload, in one write per read, as run_subscribers answers them.
  *   --retained checks as run_retained_subscribers does: the publisher id is not looked at, a sequence number
  *   >= --expect is bad, and order is not counted (the broker sends retained messages in its own order).
  *
@@ -40,6 +44,9 @@
  *       {"client_id", "received", "unique", "dups", "out_of_order", "bad", "dup_flag", "not_retained", "suback",
  *        "first_ns", "last_ns", "closed_by_broker", "session_present", "unique_per_pub"}, ...],
  *      "generator": "cloadgen"}
+ *   --latency adds "latency_ns": [...] to each subscriber, for each distinct message the read's CLOCK_REALTIME
+ *   minus the send time in its payload; --bitmaps adds "bitmaps": ["hex", ...], per publisher bit (s & 7) of
+ *   byte s >> 3 set for each sequence number s received (run_subscribers's latency and bitmaps).
  *   Times in ns are CLOCK_REALTIME (Python's time.time_ns(), what the publishers put in their reports):
  *   t_connect_ns before the first connect, t_start_ns when "go" was read (--at-once) or at "ready", first_ns and
  *   last_ns the first and last read that brought a PUBLISH (--retained: a new distinct one). cpu_s is this
@@ -54,6 +61,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -80,7 +88,9 @@ struct sub {
     uint8_t session_present;
     uint32_t carry_len;
     uint64_t skip; /* bytes still to drop of a packet longer than CARRY_MAX (counted when it began) */
-    long received, uniq, dups, ooo, bad, not_retained;
+    long received, uniq, dups, ooo, bad, not_retained, dup_flag;
+    int64_t *lat;        /* --latency: one sample per distinct message, ns */
+    size_t lat_len, lat_cap;
     int64_t first_ns, last_ns;
     uint8_t **seen;      /* per publisher, a bitmap of sequence numbers */
     uint64_t *seen_bits; /* its size in bits */
@@ -101,6 +111,9 @@ struct sub_opts {
     long max_seq;
     int retained;
     int at_once;
+    int qos;
+    int latency;
+    int bitmaps;
     int keep_alive;
     double timeout;
     double idle;
@@ -121,6 +134,9 @@ struct run {
     long error_index;
     char stdin_buf[256];
     size_t stdin_len;
+    int64_t read_ns;    /* CLOCK_REALTIME of the read being handled (--latency) */
+    uint8_t *acks;      /* the acknowledgements of the read being handled */
+    size_t acks_len;
 };
 
 static int64_t realtime_ns(void) {
@@ -132,8 +148,8 @@ static int64_t realtime_ns(void) {
 static uint8_t subscribe_pkt[600];
 static size_t subscribe_len;
 
-/* SUBSCRIBE, MQTT 3.1.1 §3.8: fixed header 0x82, Packet Identifier 1, the filter and Requested QoS 0 */
-static void encode_subscribe(const char *filter) {
+/* SUBSCRIBE, MQTT 3.1.1 §3.8: fixed header 0x82, Packet Identifier 1, the filter and Requested QoS `qos` */
+static void encode_subscribe(const char *filter, int qos) {
     size_t flen = strlen(filter), remaining = 2 + 2 + flen + 1, i = 0;
     subscribe_pkt[i++] = 0x82;
     do {
@@ -147,7 +163,7 @@ static void encode_subscribe(const char *filter) {
     subscribe_pkt[i++] = (uint8_t)flen;
     memcpy(subscribe_pkt + i, filter, flen);
     i += flen;
-    subscribe_pkt[i++] = 0x00;
+    subscribe_pkt[i++] = (uint8_t)qos;
     subscribe_len = i;
 }
 
@@ -155,6 +171,34 @@ static void encode_subscribe(const char *filter) {
 static int send_all(int fd, const uint8_t *p, size_t len) {
     ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
     return w == (ssize_t)len ? 0 : -1;
+}
+
+/* every byte of `len`, waiting for room in the send buffer (acknowledgements: the broker reads all the time); 0 or
+ * -1 */
+static int send_fully(int fd, const uint8_t *p, size_t len) {
+    while (len) {
+        ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
+        if (w > 0) {
+            p += w;
+            len -= (size_t)w;
+        } else if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            if (poll(&pf, 1, 1000) < 0 && errno != EINTR) return -1;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* a 4-byte acknowledgement (PUBACK, PUBREC, PUBCOMP: §3.4, §3.5, §3.7) to send after the read being handled */
+static void queue_ack(struct run *x, uint8_t first, uint8_t id_msb, uint8_t id_lsb) {
+    uint8_t *a = x->acks + x->acks_len;
+    a[0] = first;
+    a[1] = 0x02;
+    a[2] = id_msb;
+    a[3] = id_lsb;
+    x->acks_len += 4;
 }
 
 static void close_sub(struct run *x, struct sub *s) {
@@ -201,7 +245,11 @@ static int on_publish(struct run *x, struct sub *s, uint8_t flags, const uint8_t
     }
     uint32_t tlen = ((uint32_t)body[0] << 8) | body[1];
     uint32_t head = 2 + tlen + (qos ? 2 : 0);
-    if (qos || head > len || len - head != PAYLOAD_SIZE) {
+    if (qos && head <= len) { /* acknowledged whatever the payload, as run_subscribers does */
+        queue_ack(x, qos == 1 ? 0x40 : 0x50, body[head - 2], body[head - 1]);
+        if (flags & 0x08) s->dup_flag++;
+    }
+    if (qos > o->qos || head > len || len - head != PAYLOAD_SIZE) {
         s->bad++;
         return 0;
     }
@@ -227,6 +275,17 @@ static int on_publish(struct run *x, struct sub *s, uint8_t flags, const uint8_t
         else
             s->last[pub] = (int64_t)seq;
     }
+    if (o->latency) {
+        if (s->lat_len == s->lat_cap) {
+            s->lat_cap = s->lat_cap ? s->lat_cap * 2 : 65536;
+            int64_t *l = realloc(s->lat, s->lat_cap * sizeof *l);
+            if (!l) die("realloc");
+            s->lat = l;
+        }
+        uint64_t ts = 0;
+        for (int k = 6; k < 14; k++) ts = ts << 8 | p[k];
+        s->lat[s->lat_len++] = x->read_ns - (int64_t)ts;
+    }
     if (x->expect >= 0 && s->uniq == x->expect) x->complete++;
     return 1;
 }
@@ -248,13 +307,15 @@ static void on_control(struct run *x, long i, struct sub *s, uint8_t first, cons
             s->state = SUB_SUBSCRIBE_SENT;
         }
     } else if (kind == 9) { /* SUBACK §3.9: Packet Identifier, one return code */
-        if (len != 3 || body[0] != 0x00 || body[1] != 0x01 || body[2] != 0x00) {
-            fail_early(x, i, "SUBSCRIBE refused or answered with a QoS other than 0");
+        if (len != 3 || body[0] != 0x00 || body[1] != 0x01 || body[2] != (uint8_t)x->o->qos) {
+            fail_early(x, i, "SUBSCRIBE refused or answered with a QoS other than the one asked for");
             return;
         }
         if (!s->suback) x->subacked++;
         s->suback = 1;
         s->state = SUB_ACTIVE;
+    } else if (kind == 6 && len == 2) { /* PUBREL §3.6: PUBCOMP (the message was counted at its PUBLISH) */
+        queue_ack(x, 0x70, body[0], body[1]);
     } /* anything else (PINGRESP: none is asked for) is not counted */
 }
 
@@ -306,6 +367,8 @@ static long frame(struct run *x, long i, struct sub *s, uint8_t *buf, size_t len
 }
 
 static uint8_t rbuf[READ_BUF];
+/* at most one 4-byte acknowledgement per packet of a read, and a packet is at least 2 bytes */
+static uint8_t abuf[(READ_BUF + CARRY_MAX) * 2];
 
 /* One read of subscriber i; returns the bytes read (0: closed). */
 static ssize_t read_sub(struct run *x, long i) {
@@ -328,7 +391,14 @@ static ssize_t read_sub(struct run *x, long i) {
     }
     int new_unique = 0;
     long publishes = 0;
+    if (x->o->latency) x->read_ns = realtime_ns();
+    x->acks = abuf;
+    x->acks_len = 0;
     long used = frame(x, i, s, buf, len, &new_unique, &publishes);
+    if (x->acks_len && send_fully(s->fd, abuf, x->acks_len) != 0) {
+        close_sub(x, s);
+        return r;
+    }
     if (used < 0) {
         fprintf(stderr, "cloadgen: subscriber %ld: malformed Remaining Length: connection closed\n", i);
         s->bad++;
@@ -384,13 +454,30 @@ static void print_report(const struct run *x, int64_t t_connect, int64_t t_start
     for (long i = 0; i < o->n; i++) {
         const struct sub *s = &x->subs[i];
         printf("%s{\"client_id\": \"%s%ld\", \"received\": %ld, \"unique\": %ld, \"dups\": %ld, \"out_of_order\": %ld, "
-               "\"bad\": %ld, \"dup_flag\": 0, \"not_retained\": %ld, \"suback\": %s, \"first_ns\": %lld, "
+               "\"bad\": %ld, \"dup_flag\": %ld, \"not_retained\": %ld, \"suback\": %s, \"first_ns\": %lld, "
                "\"last_ns\": %lld, \"closed_by_broker\": %s, \"session_present\": %s, \"unique_per_pub\": [",
-               i ? ", " : "", o->prefix, i, s->received, s->uniq, s->dups, s->ooo, s->bad, s->not_retained,
+               i ? ", " : "", o->prefix, i, s->received, s->uniq, s->dups, s->ooo, s->bad, s->dup_flag,
+               s->not_retained,
                s->suback ? "true" : "false", (long long)s->first_ns, (long long)s->last_ns,
                s->state == SUB_CLOSED ? "true" : "false", s->session_present ? "true" : "false");
         for (long p = 0; p < o->pubs; p++) printf("%s%ld", p ? ", " : "", s->uniq_per_pub[p]);
-        printf("]}");
+        printf("]");
+        if (o->latency) {
+            printf(", \"latency_ns\": [");
+            for (size_t k = 0; k < s->lat_len; k++) printf("%s%lld", k ? ", " : "", (long long)s->lat[k]);
+            printf("]");
+        }
+        if (o->bitmaps) {
+            printf(", \"bitmaps\": [");
+            for (long p = 0; p < o->pubs; p++) {
+                uint64_t bytes = s->last[p] < 0 ? 0 : ((uint64_t)s->last[p] + 8) / 8;
+                printf("%s\"", p ? ", " : "");
+                for (uint64_t b = 0; b < bytes && b < (s->seen_bits[p] + 7) / 8; b++) printf("%02x", s->seen[p][b]);
+                printf("\"");
+            }
+            printf("]");
+        }
+        printf("}");
     }
     printf("], \"generator\": \"cloadgen\"}\n");
     fflush(stdout);
@@ -418,7 +505,15 @@ int run_sub(int argc, char **argv) {
             o.at_once = 1;
             continue;
         }
-        if (i + 1 >= argc) usage("every option but --retained and --at-once takes a value");
+        if (strcmp(a, "--latency") == 0) {
+            o.latency = 1;
+            continue;
+        }
+        if (strcmp(a, "--bitmaps") == 0) {
+            o.bitmaps = 1;
+            continue;
+        }
+        if (i + 1 >= argc) usage("every option but --retained, --at-once, --latency and --bitmaps takes a value");
         const char *v = argv[++i];
         if (strcmp(a, "--host") == 0) {
             if (check_host(v) != 0) return 2;
@@ -429,6 +524,8 @@ int run_sub(int argc, char **argv) {
         } else if (strcmp(a, "--topic-filter") == 0) {
             if (!*v || strlen(v) > 256) usage("the topic filter is 1 to 256 bytes");
             o.topic_filter = v;
+        } else if (strcmp(a, "--qos") == 0) {
+            o.qos = (int)parse_long(v, "qos", 0, 2);
         } else if (strcmp(a, "--pubs") == 0) {
             o.pubs = parse_long(v, "pubs", 1, 65536);
         } else if (strcmp(a, "--per-pub") == 0) {
@@ -470,7 +567,7 @@ int run_sub(int argc, char **argv) {
     if (o.max_seq < o.per_pub) o.max_seq = o.per_pub;
     pin_cpu(cpu);
     raise_nofile(o.n + 64, 1);
-    encode_subscribe(o.topic_filter);
+    encode_subscribe(o.topic_filter, o.qos);
 
     /* --expect alone never stops the run for want of data (the retained row waits for a slow broker until the
      * deadline, as run_retained_subscribers does); "expect N" says the publishers are done, and --idle applies */
@@ -643,6 +740,7 @@ int run_sub(int argc, char **argv) {
         free(s->seen_bits);
         free(s->last);
         free(s->uniq_per_pub);
+        free(s->lat);
     }
     free(x.subs);
     return 0;
