@@ -983,10 +983,11 @@ def run_subscribers_c(target: Target, n: int, topic_filter: str, ctl: Control, o
 
 
 def run_publishers_c(target: Target, n: int, topic_prefix: str, ctl: Control, out: Any, name: str, window: int = 32,
-                     duration: float = 4.0, qos: int = 1) -> None:
+                     duration: float = 4.0, qos: int = 1, count: int = 0) -> None:
     """:func:`run_publisher_qos1` for ``n`` publishers done by the C generator (``cloadgen pub``, one process, one
     thread; bench/cloadgen/pub.c): publisher ``i`` publishes to ``{topic_prefix}{i}`` at ``qos`` (1 or 2) with at
-    most ``window`` unacknowledged for ``duration`` seconds from ``ctl.go``, the same payloads (publisher id,
+    most ``window`` unacknowledged for ``duration`` seconds from ``ctl.go`` (or until each sent ``count``, when
+    given), the same payloads (publisher id,
     sequence number, send time) and Packet Identifiers. Reports ``ready`` once every CONNACK is in, then one
     ``done`` with ``publishers``: each one's report as :func:`run_publisher_qos1` gives it (``acked_bitmap`` one
     byte per sequence number), and the program's CPU from ``go`` as ``generator_cpu_s``.
@@ -1005,7 +1006,8 @@ def run_publishers_c(target: Target, n: int, topic_prefix: str, ctl: Control, ou
     timeout = max(1.0, ctl.deadline - time.monotonic())
     cmd = [exe, "pub", "--host", HOST, "--port", str(target.port), "--publishers", str(n), "--topic-prefix",
            topic_prefix, "--qos", str(qos), "--window", str(window), "--duration", str(duration), "--username",
-           USERNAME, "--client-id-prefix", f"bench-pub-c{os.getpid()}-", "--timeout", f"{timeout:.1f}"]
+           USERNAME, "--client-id-prefix", f"bench-pub-c{os.getpid()}-", "--timeout", f"{timeout:.1f}",
+           *(["--count", str(count)] if count else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

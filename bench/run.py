@@ -122,8 +122,8 @@ class Params:
     # the fan-out and retained rows' subscribers: "c" (cloadgen sub), "python" (loadgen.run_subscribers,
     # run_retained_subscribers), "auto": C when it is built
     msg_generator: str = "auto"
-    # the QoS 1 and QoS 2 rows' clients: "python" (loadgen.run_subscribers, run_publisher_qos1) or "c"
-    # (cloadgen sub and pub)
+    # the QoS 1 and QoS 2 rows' clients and the offline row's publishers: "python" (loadgen.run_subscribers,
+    # run_publisher_qos1) or "c" (cloadgen sub and pub)
     ack_generator: str = "python"
 
 
@@ -496,7 +496,8 @@ def idle_generator(p: Params) -> str:
 
 
 def ack_generator(p: Params) -> str:
-    """"c" or "python": whose clients the QoS 1 and QoS 2 rows use (``p.ack_generator``).
+    """"c" or "python": whose clients the QoS 1 and QoS 2 rows, and whose publishers the offline row, use
+    (``p.ack_generator``).
 
     Raises:
         RuntimeError: "c" was asked for and bench/cloadgen is not built.
@@ -586,11 +587,14 @@ def scenario_offline(b: Broker, p: Params, budget: float, info: dict[str, Any]) 
     rss0 = b.rss_kib()
     w = Workers(budget)
     try:
-        pubs = [w.spawn(run_publisher_qos1, t, i, f"bench/off/p{i}", per, w.ctl, window=32) for i in range(4)]
+        if ack_generator(p) == "c":
+            pubs = [w.spawn(run_publishers_c, t, 4, "bench/off/p", w.ctl, window=32, duration=budget, count=per)]
+        else:
+            pubs = [w.spawn(run_publisher_qos1, t, i, f"bench/off/p{i}", per, w.ctl, window=32) for i in range(4)]
         w.collect("ready", pubs, 20)
         meter = Meter(b)
         w.ctl.go.set()
-        done = w.collect("done", pubs, budget)
+        done = _per_publisher(w.collect("done", pubs, budget))
         errors = [d["error"] for d in done.values() if d["error"]]
         if errors:
             raise RuntimeError(f"publisher errors: {errors}")
@@ -901,8 +905,8 @@ def main() -> int:
                     help="the fan-out and retained rows' subscribers: the C ones (bench/cloadgen sub, make cloadgen), "
                     "the Python ones (bench/loadgen.py), or auto: C when it is built (default; --quick: python)")
     ap.add_argument("--ack-generator", choices=("python", "c"), default="python",
-                    help="the QoS 1 and QoS 2 rows' subscriber and publishers: the Python ones (bench/loadgen.py, "
-                    "default) or the C ones (bench/cloadgen sub and pub, make cloadgen)")
+                    help="the QoS 1 and QoS 2 rows' subscriber and publishers and the offline row's publishers: the "
+                    "Python ones (bench/loadgen.py, default) or the C ones (bench/cloadgen sub and pub, make cloadgen)")
     ap.add_argument("--out", default=str(RESULTS / "latest.md"))
     args = ap.parse_args()
     p = QUICK if args.quick else Params()
@@ -1082,7 +1086,8 @@ def write_report(path: Path, table: str, foot: list[str], p: Params, vers: dict[
         f"{'bench/cloadgen built' if cloadgen_binary() else 'bench/cloadgen not built'}); "
         f"fan-out and retained subscribers: {'C (bench/cloadgen sub)' if msg_generator(p) == 'c' else 'Python'} "
         f"(--msg-generator {p.msg_generator}); "
-        f"QoS 1 and QoS 2 clients: {'C (bench/cloadgen sub, pub)' if p.ack_generator == 'c' else 'Python'} "
+        f"QoS 1, QoS 2 and offline publishers' clients: "
+        f"{'C (bench/cloadgen sub, pub)' if p.ack_generator == 'c' else 'Python'} "
         f"(--ack-generator {p.ack_generator}); "
         f"offline: {p.offline_msgs} messages; "
         f"kill: SIGKILL {p.kill_after} s after the publishers start",

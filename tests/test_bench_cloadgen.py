@@ -508,19 +508,20 @@ def test_cloadgen_acknowledging_modes_refuse_a_qos_they_do_not_speak(cloadgen: s
     assert "qos" in proc.stderr
 
 
-def test_bench_qos_rows_run_on_the_c_clients(tmp_path: Path) -> None:
-    """``bench/run.py --quick --only qos1,qos2 --ack-generator c``: the harness's own path (its edge-gateway, the
-    C subscriber and publishers in its workers, their reports merged and checked for losses and duplicates) fills
-    both rows with every completed message delivered once."""
+def test_bench_acknowledged_rows_run_on_the_c_clients(tmp_path: Path) -> None:
+    """``bench/run.py --quick --only qos1,qos2,offline --ack-generator c``: the harness's own path (its
+    edge-gateway, the C subscriber and publishers in its workers, their reports merged and checked for losses and
+    duplicates) fills the QoS rows with every completed message delivered once, and the offline row's C publishers
+    stop at their fixed backlog, every message of which the drain delivers."""
     if shutil.which("gcc") is None:
         pytest.skip("gcc is missing (make compiler installs gcc)")
     out = tmp_path / "bench.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--only", "qos1,qos2",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--only", "qos1,qos2,offline",
                            "--brokers", "edge-gateway", "--no-selfcheck", "--ack-generator", "c", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    assert "QoS 1 and QoS 2 clients: C (bench/cloadgen sub, pub)" in text
+    assert "QoS 1, QoS 2 and offline publishers' clients: C (bench/cloadgen sub, pub)" in text
     for row in ("qos1", "qos2"):
         line = next(x for x in text.splitlines() if x.startswith(f"run 1 {row} edge-gateway:"))
         checks = re.search(r"\{'sent': (\d+), '(?:acked|completed)': (\d+), .*'dups': (\d+)", line)
@@ -530,6 +531,9 @@ def test_bench_qos_rows_run_on_the_c_clients(tmp_path: Path) -> None:
         assert re.search(r": rate=[1-9]", line) and "lost=0.00" in line, line
     qos2 = next(x for x in text.splitlines() if x.startswith("run 1 qos2 edge-gateway:"))
     assert re.search(r"'completed': (\d+), 'delivered': \1,", qos2) and "'dup_flag': 0" in qos2, qos2
+    offline = next(x for x in text.splitlines() if x.startswith("run 1 offline edge-gateway:"))
+    assert "{'acked': 20000, 'delivered': 20000, 'dups': 0, 'session_present': True" in offline, offline
+    assert "lost=0.00, ooo=0.00" in offline, offline
 
 
 @contextlib.contextmanager

@@ -107,8 +107,8 @@ void usage(const char *msg) {
             "                    [--client-id-prefix X] [--keep-alive S] [--timeout S] [--idle S]\n"
             "                    [--coalesce-us U] [--max-seq N] [--cpu K] [--host 127.0.0.1]\n"
             "       cloadgen pub --port P --publishers N --topic-prefix T [--qos 1|2] [--window W] [--duration S]\n"
-            "                    [--username U] [--client-id-prefix X] [--keep-alive S] [--timeout S] [--cpu K]\n"
-            "                    [--host 127.0.0.1]\n",
+            "                    [--count M] [--username U] [--client-id-prefix X] [--keep-alive S] [--timeout S]\n"
+            "                    [--cpu K] [--host 127.0.0.1]\n",
             msg);
     exit(2);
 }

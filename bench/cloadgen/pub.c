@@ -8,15 +8,16 @@
  * this mode does the same work on one thread with epoll and libc only.
  *
  *   cloadgen pub --port P --publishers N --topic-prefix T [--qos 1|2] [--window W] [--duration S]
- *                [--username U] [--client-id-prefix X] [--keep-alive S] [--timeout S] [--cpu K]
+ *                [--count M] [--username U] [--client-id-prefix X] [--keep-alive S] [--timeout S] [--cpu K]
  *                [--host 127.0.0.1]
  *
  *   Opens N connections to 127.0.0.1:P, Client Identifiers X<i>, CONNECT 3.1.1 with Clean Session 1, Keep Alive
  *   S (60) and user name U when given; once every CONNACK accepted it prints {"ready": N} and waits for the line
  *   "go" on stdin. Then publisher i publishes to the topic T<i> at QoS 1 (default) or 2 with at most W (32)
- *   messages unacknowledged, for S seconds (4), then waits for the outstanding acknowledgements, sends DISCONNECT
- *   and closes. A message is acknowledged at its PUBACK (QoS 1) or its PUBCOMP (QoS 2: a PUBREC is answered with
- *   PUBREL, MQTT 3.1.1 §4.3.3). Its Packet Identifier is its sequence number mod 65535, plus 1 (never 0: W is
+ *   messages unacknowledged, for S seconds (4) or until it sent M messages (--count: the offline row's fixed
+ *   backlog), then waits for the outstanding acknowledgements, sends DISCONNECT and closes. A message is
+ *   acknowledged at its PUBACK (QoS 1) or its PUBCOMP (QoS 2: a PUBREC is answered with PUBREL, MQTT 3.1.1
+ *   §4.3.3). Its Packet Identifier is its sequence number mod 65535, plus 1 (never 0: W is
  *   below 65535, so no two in flight share one).
  *
  *   Each payload is 64 bytes: publisher id i (2 bytes, big endian), sequence number (4), CLOCK_REALTIME in ns
@@ -80,6 +81,7 @@ struct pub_opts {
     int qos;
     long window;
     double duration;
+    long count;
     int keep_alive;
     double timeout;
 };
@@ -139,6 +141,7 @@ static uint8_t wbuf[256 * 1024];
 /* fills publisher i's window; -1 when the write failed */
 static int fill_window(const struct pub_opts *o, struct pub *p, long i) {
     long room = o->window - (p->sent - p->acked);
+    if (o->count && room > o->count - p->sent) room = o->count - p->sent;
     if (room <= 0) return 0;
     if ((size_t)(p->sent + room + 7) / 8 >= p->acked_cap) {
         size_t cap = p->acked_cap * 2;
@@ -214,7 +217,7 @@ static int has_only(const char *s, const char *allowed) {
 
 int run_pub(int argc, char **argv) {
     struct pub_opts o = {.port = 0, .n = 0, .prefix = NULL, .topic_prefix = NULL, .username = NULL, .qos = 1,
-                         .window = 32, .duration = 4.0, .keep_alive = 60, .timeout = 60.0};
+                         .window = 32, .duration = 4.0, .count = 0, .keep_alive = 60, .timeout = 60.0};
     int cpu = -1;
     char prefix[64];
     snprintf(prefix, sizeof prefix, "pub-c%ld-", (long)getpid());
@@ -238,6 +241,8 @@ int run_pub(int argc, char **argv) {
             o.window = parse_long(v, "window", 1, 2048);
         } else if (strcmp(a, "--duration") == 0) {
             o.duration = parse_seconds(v, "duration");
+        } else if (strcmp(a, "--count") == 0) {
+            o.count = parse_long(v, "count", 1, 1L << 31);
         } else if (strcmp(a, "--username") == 0) {
             if (strlen(v) > 256) usage("user name longer than 256 bytes");
             o.username = v;
@@ -340,10 +345,11 @@ int run_pub(int argc, char **argv) {
         for (long i = 0; i < o.n; i++) { /* the end of each publisher: all acknowledged once sending stopped */
             struct pub *p = &pubs[i];
             if (p->done) continue;
-            if (!sending && p->acked >= p->sent) {
+            int sent_all = !sending || (o.count && p->sent >= o.count);
+            if (sent_all && p->acked >= p->sent) {
                 finish(p, NULL);
                 active--;
-            } else if (t > deadline || (!sending && t - p->last_ack > ACK_SILENCE)) {
+            } else if (t > deadline || (sent_all && t - p->last_ack > ACK_SILENCE)) {
                 snprintf(p->error_buf, sizeof p->error_buf, "%ld acknowledgements missing", p->sent - p->acked);
                 finish(p, p->error_buf);
                 active--;

@@ -39,7 +39,8 @@
  *   It stops when every open subscriber has N distinct messages (--expect N, or the line "expect N" on stdin),
  *   or --idle seconds (1) without data after that line (it says the publishers are done: run_subscribers's
  *   pubs_done; --expect alone never stops for want of data), or after --timeout seconds (60), or when every
- *   connection is closed, or at stdin's end or SIGTERM/SIGINT. It sends DISCONNECT on each open connection, closes it, and prints one JSON line:
+ *   connection is closed, or at stdin's end or SIGTERM/SIGINT. It sends DISCONNECT on each open connection, closes
+ *   it, and prints one JSON line:
  *     {"t_connect_ns": ns, "t_start_ns": ns, "cpu_s": s, "elapsed": s, "expect": n, "subscribers": [
  *       {"client_id", "received", "unique", "dups", "out_of_order", "bad", "dup_flag", "not_retained", "suback",
  *        "first_ns", "last_ns", "closed_by_broker", "session_present", "unique_per_pub"}, ...],
