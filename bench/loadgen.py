@@ -987,10 +987,10 @@ def run_publishers_c(target: Target, n: int, topic_prefix: str, ctl: Control, ou
     """:func:`run_publisher_qos1` for ``n`` publishers done by the C generator (``cloadgen pub``, one process, one
     thread; bench/cloadgen/pub.c): publisher ``i`` publishes to ``{topic_prefix}{i}`` at ``qos`` (1 or 2) with at
     most ``window`` unacknowledged for ``duration`` seconds from ``ctl.go`` (or until each sent ``count``, when
-    given), the same payloads (publisher id,
-    sequence number, send time) and Packet Identifiers. Reports ``ready`` once every CONNACK is in, then one
-    ``done`` with ``publishers``: each one's report as :func:`run_publisher_qos1` gives it (``acked_bitmap`` one
-    byte per sequence number), and the program's CPU from ``go`` as ``generator_cpu_s``.
+    given), the same payloads (publisher id, sequence number, send time) and Packet Identifiers. Reports ``ready``
+    once every CONNACK is in, then one ``done`` with ``publishers``: each one's report as
+    :func:`run_publisher_qos1` gives it (``acked_bitmap`` one byte per sequence number), and the program's CPU
+    from ``go`` as ``generator_cpu_s``.
 
     Raises:
         TargetError: as :func:`check_target`.
