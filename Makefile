@@ -23,7 +23,7 @@ $(BIN)/python:
 # metadata pins paho-mqtt<2 for its MQTT client, which the tests do not use (they use only its payload codec)
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py build_backend/edge_gateway_build.py \
     $(wildcard gateway/mqtt/*.py) $(wildcard gateway/broker/*.py) gateway/store/records.py \
-    gateway/store/open_batch.py gateway/store/applier.py
+    gateway/store/open_batch.py gateway/store/applier.py gateway/server/protocol.py
 	@$(MAKE) --no-print-directory compiler
 	EDGE_GATEWAY_COMPILE=1 $(BIN)/pip install -q -e '.[test,fast,pipeline,deploy]'
 	@$(BIN)/edge-gateway version --verbose | sed -n 's/^core: /the MQTT codec and broker core run /p'

@@ -37,7 +37,8 @@ HERE = Path(__file__).resolve().parent
 #: The store's row encodings (records.py), open batch (open_batch.py) and batch applier (applier.py) join them: every
 #: durable message is encoded and recorded there on the loop, applied to the write transaction on the writer thread,
 #: and every paged-in one decoded; the rest of gateway/store drives LMDB, the event loop and the writer thread, and
-#: stays Python.
+#: stays Python. The protocol adapter between asyncio and the core (gateway/server/protocol.py) joins them as well:
+#: every read, write and connection goes through it; the rest of gateway/server runs once per listener or tick.
 #: gateway/native.py lists the same modules as COMPILED_MODULES.
 _PLAIN = ("__init__.py", "native_classes.py", "timers.py")
 COMPILED = [
@@ -47,6 +48,7 @@ COMPILED = [
     "gateway/store/records.py",
     "gateway/store/open_batch.py",
     "gateway/store/applier.py",
+    "gateway/server/protocol.py",
 ]  # fmt: skip
 #: The name of the shared library the modules' own extension stubs load: inside the gateway package, not at the top
 #: level of site-packages.
@@ -74,8 +76,9 @@ class OptionalBuildExt(build_ext):
             try:
                 super().run()
             except Exception as exc:  # CCompilerError, DistutilsPlatformError, OSError: no compiler, headers, ...
-                _say(f"compiling gateway/mqtt, gateway/broker and the store's records.py, open_batch.py and "
-                     f"applier.py failed ({type(exc).__name__}: {exc}); installing the pure-Python code")
+                _say(f"compiling gateway/mqtt, gateway/broker, the store's records.py, open_batch.py and "
+                     f"applier.py and gateway/server/protocol.py failed ({type(exc).__name__}: {exc}); installing "
+                     "the pure-Python code")
                 self._remove_outputs()
                 return
             if CACHE["key"]:

@@ -1,11 +1,13 @@
-"""Which core runs: the modules of the MQTT codec (gateway/mqtt), the broker core (gateway/broker) and the store's row
-encodings (gateway/store/records.py) compiled by mypyc, or the same .py files interpreted.
+"""Which core runs: the modules of the MQTT codec (gateway/mqtt), the broker core (gateway/broker), the store's row
+encodings (gateway/store/records.py and the two beside it) and the protocol adapter (gateway/server/protocol.py)
+compiled by mypyc, or the same .py files interpreted.
 
 setup.py compiles them next to their .py files (``packets.cpython-311-x86_64-linux-gnu.so`` beside
 ``packets.py``), with one shared library for all of them (``gateway/_core__mypyc``), and records the SHA-256 of each
 source it compiled in ``gateway/_core__mypyc.sources``. Python's import system prefers an extension module to a .py
-file of the same name, so the compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt`` or
-``gateway.broker`` package is first imported) makes the .py files of every compiled module run instead when
+file of the same name, so the compiled code runs by default. :func:`select` (run once, when the ``gateway.mqtt``,
+``gateway.broker``, ``gateway.store`` or ``gateway.server`` package is first imported) makes the .py files of every
+compiled module run instead when
 
 - ``EDGE_GATEWAY_PURE=1`` is set (the pure-Python core from the same install, e.g. to compare or to test it),
 - there are no compiled modules (an install without a C compiler, or built with ``EDGE_GATEWAY_BUILD_PURE=1``),
@@ -35,7 +37,7 @@ from types import ModuleType
 PURE_ENV = "EDGE_GATEWAY_PURE"
 #: The modules setup.py compiles (its COMPILED list, which says why three modules stay Python): every module of
 #: gateway/mqtt and gateway/broker but the packages' __init__.py files, gateway/broker/native_classes.py and
-#: gateway/broker/timers.py, and gateway/store/records.py, open_batch.py and applier.py.
+#: gateway/broker/timers.py, gateway/store/records.py, open_batch.py and applier.py, and gateway/server/protocol.py.
 COMPILED_MODULES = (
     *(f"gateway.mqtt.{name}"
       for name in ("errors", "reason_codes", "primitives", "properties", "topics", "packets", "framing")),
@@ -47,6 +49,7 @@ COMPILED_MODULES = (
     "gateway.store.records",
     "gateway.store.open_batch",
     "gateway.store.applier",
+    "gateway.server.protocol",
 )  # fmt: skip
 #: The shared library the compiled modules' stubs load, and the record of the sources it was compiled from (paths
 #: relative to gateway/, e.g. ``mqtt/packets.py``).

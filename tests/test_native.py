@@ -54,16 +54,18 @@ def test_pure_env_runs_the_py_files_of_the_same_install(tmp_path: Path) -> None:
 
 def test_every_module_of_both_packages_is_listed_but_the_three_that_stay_python() -> None:
     """gateway/native.py lists what setup.py compiles, every module of gateway/mqtt and gateway/broker but the
-    three setup.py names: a module compiled but not listed would run stale after an edit."""
+    three setup.py names, the store's three and the server's protocol adapter: a module compiled but not listed
+    would run stale after an edit."""
     text = (ROOT / "setup.py").read_text()
     assert '_PLAIN = ("__init__.py", "native_classes.py", "timers.py")' in text
     listed = {m.replace(".", "/") + ".py" for m in native.COMPILED_MODULES}
     plain = {"gateway/mqtt/__init__.py", "gateway/broker/__init__.py", "gateway/broker/native_classes.py",
              "gateway/broker/timers.py"}
     on_disk = {str(p.relative_to(ROOT)) for d in ("mqtt", "broker") for p in (ROOT / "gateway" / d).glob("*.py")}
-    store = {"gateway/store/records.py", "gateway/store/open_batch.py", "gateway/store/applier.py"}
-    assert listed == on_disk - plain | store
-    assert all(f'"{path}",' in text for path in store)
+    others = {"gateway/store/records.py", "gateway/store/open_batch.py", "gateway/store/applier.py",
+              "gateway/server/protocol.py"}
+    assert listed == on_disk - plain | others
+    assert all(f'"{path}",' in text for path in others)
 
 
 def test_default_runs_the_compiled_modules_as_native_classes(tmp_path: Path) -> None:

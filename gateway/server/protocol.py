@@ -21,6 +21,7 @@ from typing import Any
 from gateway.broker.actions import ABORT, UNTIL_RELEASED, Action
 from gateway.broker.broker import Broker
 from gateway.broker.limits import ZoneLimits
+from gateway.broker.native_classes import mypyc_attr
 from gateway.broker.session_state import Connection
 
 log = logging.getLogger("gateway.server")
@@ -245,6 +246,8 @@ def _close_lingering(transport: Any) -> None:
         transport.close()
 
 
+# Compiled with the core; the TLS listener's protocol (tls_accept.TlsMQTTProtocol) subclasses it in Python.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MQTTProtocol(asyncio.Protocol):
     """One client connection on one listener."""
 
