@@ -18,6 +18,11 @@ extern volatile sig_atomic_t stop_requested;
 
 /* CLOCK_MONOTONIC, seconds */
 double now_s(void);
+/* CLOCK_REALTIME, nanoseconds (Python's time.time_ns(): the clock of the payloads' send times and the reports) */
+int64_t realtime_ns(void);
+/* every byte of `len` on a non-blocking socket, waiting (poll) for room in its send buffer: a broker reads all the
+ * time, so this waits for it, not for ever; 0, or -1 when the connection failed */
+int send_fully(int fd, const uint8_t *p, size_t len);
 /* this process's user + system CPU (getrusage), seconds */
 double cpu_s(void);
 /* a system error: says `what` and errno on stderr, exit status 1 */

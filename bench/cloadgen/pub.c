@@ -86,32 +86,6 @@ struct pub_opts {
     double timeout;
 };
 
-static int64_t realtime_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* every byte of `len`, waiting for room in the send buffer (the broker reads all the time); 0, or -1 when the
- * connection failed */
-static int send_fully(int fd, const uint8_t *p, size_t len) {
-    while (len) {
-        ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
-        if (w > 0) {
-            p += w;
-            len -= (size_t)w;
-            continue;
-        }
-        if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
-            struct pollfd pf = {.fd = fd, .events = POLLOUT};
-            if (poll(&pf, 1, 1000) < 0 && errno != EINTR) return -1;
-            continue;
-        }
-        return -1;
-    }
-    return 0;
-}
-
 /* one PUBLISH, MQTT 3.1.1 §3.3, into `out`: its length */
 static size_t encode_publish(uint8_t *out, const struct pub *p, int qos, long pub, uint32_t seq, int64_t ts) {
     size_t remaining = 2 + p->topic_len + 2 + PAYLOAD_SIZE, i = 0;

@@ -62,7 +62,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -140,12 +139,6 @@ struct run {
     size_t acks_len;
 };
 
-static int64_t realtime_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 static uint8_t subscribe_pkt[600];
 static size_t subscribe_len;
 
@@ -172,24 +165,6 @@ static void encode_subscribe(const char *filter, int qos) {
 static int send_all(int fd, const uint8_t *p, size_t len) {
     ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
     return w == (ssize_t)len ? 0 : -1;
-}
-
-/* every byte of `len`, waiting for room in the send buffer (acknowledgements: the broker reads all the time); 0 or
- * -1 */
-static int send_fully(int fd, const uint8_t *p, size_t len) {
-    while (len) {
-        ssize_t w = send(fd, p, len, MSG_NOSIGNAL);
-        if (w > 0) {
-            p += w;
-            len -= (size_t)w;
-        } else if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
-            struct pollfd pf = {.fd = fd, .events = POLLOUT};
-            if (poll(&pf, 1, 1000) < 0 && errno != EINTR) return -1;
-        } else {
-            return -1;
-        }
-    }
-    return 0;
 }
 
 /* a 4-byte acknowledgement (PUBACK, PUBREC, PUBCOMP: §3.4, §3.5, §3.7) to send after the read being handled */
