@@ -885,6 +885,26 @@ def run_idle_c(target: Target, n: int, ctl: Control, out: Any, name: str, keep_a
     out.put(("done", name, done))
 
 
+def _cloadgen_command(target: Target, ctl: Control, mode: str) -> list[str]:
+    """``cloadgen MODE`` (``sub`` or ``pub``) on the target, user name :data:`USERNAME`, stopping by itself at the
+    harness's deadline: the start of its command line.
+
+    Raises:
+        TargetError: as :func:`check_target`.
+        RuntimeError: the program is not built, or the target needs TLS or a password (the C clients have
+            neither: the rows they serve run on a plain listener).
+    """
+    check_target(target)
+    exe = cloadgen_binary()
+    if exe is None:
+        raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
+    if target.cafile or target.password is not None:
+        raise RuntimeError("the C clients speak plain MQTT without a password: use the Python ones")
+    timeout = max(1.0, ctl.deadline - time.monotonic())
+    return [exe, mode, "--host", HOST, "--port", str(target.port), "--username", USERNAME, "--timeout",
+            f"{timeout:.1f}"]
+
+
 def _start_csub(target: Target, n: int, topic_filter: str, ctl: Control, *options: str) -> tuple[
         subprocess.Popen[str], dict[str, Any]]:
     """``cloadgen sub`` (bench/cloadgen/sub.c) with ``n`` subscribers to ``topic_filter`` on the target, user name
@@ -895,15 +915,7 @@ def _start_csub(target: Target, n: int, topic_filter: str, ctl: Control, *option
         RuntimeError: the program is not built, the target needs TLS or a password (the C subscribers have
             neither: the rows they serve run on a plain listener), or it exited before ``ready``.
     """
-    check_target(target)
-    exe = cloadgen_binary()
-    if exe is None:
-        raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
-    if target.cafile or target.password is not None:
-        raise RuntimeError("the C subscribers speak plain MQTT without a password: use the Python ones")
-    timeout = max(1.0, ctl.deadline - time.monotonic())
-    cmd = [exe, "sub", "--host", HOST, "--port", str(target.port), "--subscribers", str(n), "--topic-filter",
-           topic_filter, "--username", USERNAME, "--timeout", f"{timeout:.1f}", *options]
+    cmd = [*_cloadgen_command(target, ctl, "sub"), "--subscribers", str(n), "--topic-filter", topic_filter, *options]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -997,17 +1009,9 @@ def run_publishers_c(target: Target, n: int, topic_prefix: str, ctl: Control, ou
         RuntimeError: the program is not built, the target needs TLS or a password, or it exited without its
             report.
     """
-    check_target(target)
-    exe = cloadgen_binary()
-    if exe is None:
-        raise RuntimeError(f"{CLOADGEN} is not built (make cloadgen)")
-    if target.cafile or target.password is not None:
-        raise RuntimeError("the C publishers speak plain MQTT without a password: use the Python ones")
-    timeout = max(1.0, ctl.deadline - time.monotonic())
-    cmd = [exe, "pub", "--host", HOST, "--port", str(target.port), "--publishers", str(n), "--topic-prefix",
-           topic_prefix, "--qos", str(qos), "--window", str(window), "--duration", str(duration), "--username",
-           USERNAME, "--client-id-prefix", f"bench-pub-c{os.getpid()}-", "--timeout", f"{timeout:.1f}",
-           *(["--count", str(count)] if count else [])]
+    cmd = [*_cloadgen_command(target, ctl, "pub"), "--publishers", str(n), "--topic-prefix", topic_prefix, "--qos",
+           str(qos), "--window", str(window), "--duration", str(duration), "--client-id-prefix",
+           f"bench-pub-c{os.getpid()}-", *(["--count", str(count)] if count else [])]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
