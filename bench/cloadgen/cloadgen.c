@@ -75,6 +75,32 @@ double now_s(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+int client_option(const char *a, const char *v, int *port, const char **username, const char **prefix,
+                  int *keep_alive, double *timeout, int *cpu) {
+    static const char id_chars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:";
+    if (strcmp(a, "--host") == 0) {
+        if (check_host(v) != 0) return -1;
+    } else if (strcmp(a, "--port") == 0) {
+        *port = (int)parse_long(v, "port", 1, 65535);
+    } else if (strcmp(a, "--username") == 0) {
+        if (strlen(v) > 256) usage("user name longer than 256 bytes");
+        *username = v;
+    } else if (strcmp(a, "--client-id-prefix") == 0) {
+        if (strlen(v) > 200 || strspn(v, id_chars) != strlen(v))
+            usage("client id prefix: at most 200 of [A-Za-z0-9-_./:]");
+        *prefix = v;
+    } else if (strcmp(a, "--keep-alive") == 0) {
+        *keep_alive = (int)parse_long(v, "keep alive", 0, 65535);
+    } else if (strcmp(a, "--timeout") == 0) {
+        *timeout = parse_seconds(v, "timeout");
+    } else if (strcmp(a, "--cpu") == 0) {
+        *cpu = (int)parse_long(v, "cpu", 0, CPU_SETSIZE - 1);
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
 int64_t realtime_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);

@@ -39,6 +39,11 @@ int check_host(const char *host);
 /* option values; a bad one is a usage error */
 long parse_long(const char *s, const char *name, long lo, long hi);
 double parse_seconds(const char *s, const char *name);
+/* the options the client modes (sub, pub) share: --host (a refused one returns -1), --port, --username,
+ * --client-id-prefix (printed into the JSON reports as it is: at most 200 of [A-Za-z0-9-_./:]), --keep-alive,
+ * --timeout and --cpu; 1 when `a` was one of them (its value `v` stored), 0 when not */
+int client_option(const char *a, const char *v, int *port, const char **username, const char **prefix,
+                  int *keep_alive, double *timeout, int *cpu);
 /* close with SO_LINGER 0: a reset, no TIME_WAIT left behind */
 void reset_close(int fd);
 /* CONNECT, MQTT 3.1.1 §3.1 (Clean Session 1, user name when not NULL) into `out` (600 bytes suffice for a

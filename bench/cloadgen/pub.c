@@ -185,10 +185,6 @@ static int on_read(const struct pub_opts *o, struct pub *p, const uint8_t *data,
     return nrel ? send_fully(p->fd, rels, nrel) : 0;
 }
 
-static int has_only(const char *s, const char *allowed) {
-    return strspn(s, allowed) == strlen(s);
-}
-
 int run_pub(int argc, char **argv) {
     struct pub_opts o = {.port = 0, .n = 0, .prefix = NULL, .topic_prefix = NULL, .username = NULL, .qos = 1,
                          .window = 32, .duration = 4.0, .count = 0, .keep_alive = 60, .timeout = 60.0};
@@ -200,11 +196,10 @@ int run_pub(int argc, char **argv) {
         const char *a = argv[i];
         if (i + 1 >= argc) usage("every option of pub takes a value");
         const char *v = argv[++i];
-        if (strcmp(a, "--host") == 0) {
-            if (check_host(v) != 0) return 2;
-        } else if (strcmp(a, "--port") == 0) {
-            o.port = (int)parse_long(v, "port", 1, 65535);
-        } else if (strcmp(a, "--publishers") == 0) {
+        int common = client_option(a, v, &o.port, &o.username, &o.prefix, &o.keep_alive, &o.timeout, &cpu);
+        if (common < 0) return 2;
+        if (common) continue;
+        if (strcmp(a, "--publishers") == 0) {
             o.n = parse_long(v, "publishers", 1, 1000);
         } else if (strcmp(a, "--topic-prefix") == 0) {
             if (!*v || strlen(v) > 256) usage("the topic prefix is 1 to 256 bytes");
@@ -217,19 +212,6 @@ int run_pub(int argc, char **argv) {
             o.duration = parse_seconds(v, "duration");
         } else if (strcmp(a, "--count") == 0) {
             o.count = parse_long(v, "count", 1, 1L << 31);
-        } else if (strcmp(a, "--username") == 0) {
-            if (strlen(v) > 256) usage("user name longer than 256 bytes");
-            o.username = v;
-        } else if (strcmp(a, "--client-id-prefix") == 0) {
-            if (strlen(v) > 200 || !has_only(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:"))
-                usage("client id prefix: at most 200 of [A-Za-z0-9-_./:]");
-            o.prefix = v;
-        } else if (strcmp(a, "--keep-alive") == 0) {
-            o.keep_alive = (int)parse_long(v, "keep alive", 0, 65535);
-        } else if (strcmp(a, "--timeout") == 0) {
-            o.timeout = parse_seconds(v, "timeout");
-        } else if (strcmp(a, "--cpu") == 0) {
-            cpu = (int)parse_long(v, "cpu", 0, CPU_SETSIZE - 1);
         } else {
             char msg[128];
             snprintf(msg, sizeof msg, "unknown option %s", a);

@@ -459,10 +459,6 @@ static void print_report(const struct run *x, int64_t t_connect, int64_t t_start
     fflush(stdout);
 }
 
-static int has_only(const char *s, const char *allowed) {
-    return strspn(s, allowed) == strlen(s);
-}
-
 int run_sub(int argc, char **argv) {
     struct sub_opts o = {.port = 0, .n = 0, .topic_filter = NULL, .username = NULL, .prefix = NULL, .pubs = 1,
                          .per_pub = 1024, .expect = -1, .max_seq = 1L << 24, .retained = 0, .at_once = 0,
@@ -491,11 +487,10 @@ int run_sub(int argc, char **argv) {
         }
         if (i + 1 >= argc) usage("every option but --retained, --at-once, --latency and --bitmaps takes a value");
         const char *v = argv[++i];
-        if (strcmp(a, "--host") == 0) {
-            if (check_host(v) != 0) return 2;
-        } else if (strcmp(a, "--port") == 0) {
-            o.port = (int)parse_long(v, "port", 1, 65535);
-        } else if (strcmp(a, "--subscribers") == 0) {
+        int common = client_option(a, v, &o.port, &o.username, &o.prefix, &o.keep_alive, &o.timeout, &cpu);
+        if (common < 0) return 2;
+        if (common) continue;
+        if (strcmp(a, "--subscribers") == 0) {
             o.n = parse_long(v, "subscribers", 1, 100000);
         } else if (strcmp(a, "--topic-filter") == 0) {
             if (!*v || strlen(v) > 256) usage("the topic filter is 1 to 256 bytes");
@@ -510,24 +505,10 @@ int run_sub(int argc, char **argv) {
             o.expect = parse_long(v, "expect", 0, 1L << 32);
         } else if (strcmp(a, "--max-seq") == 0) {
             o.max_seq = parse_long(v, "max-seq", 1, 1L << 32);
-        } else if (strcmp(a, "--username") == 0) {
-            if (strlen(v) > 256) usage("user name longer than 256 bytes");
-            o.username = v;
-        } else if (strcmp(a, "--client-id-prefix") == 0) {
-            /* printed into the JSON report as it is: no quotes or backslashes */
-            if (strlen(v) > 200 || !has_only(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:"))
-                usage("client id prefix: at most 200 of [A-Za-z0-9-_./:]");
-            o.prefix = v;
-        } else if (strcmp(a, "--keep-alive") == 0) {
-            o.keep_alive = (int)parse_long(v, "keep alive", 0, 65535);
-        } else if (strcmp(a, "--timeout") == 0) {
-            o.timeout = parse_seconds(v, "timeout");
         } else if (strcmp(a, "--idle") == 0) {
             o.idle = parse_seconds(v, "idle");
         } else if (strcmp(a, "--coalesce-us") == 0) {
             o.coalesce_us = parse_long(v, "coalesce-us", 0, 1000000);
-        } else if (strcmp(a, "--cpu") == 0) {
-            cpu = (int)parse_long(v, "cpu", 0, CPU_SETSIZE - 1);
         } else {
             char msg[128];
             snprintf(msg, sizeof msg, "unknown option %s", a);
