@@ -3,6 +3,7 @@
 #
 #   build/appliance/base-ARCH-KEY.tar        mmdebstrap output (cached; keyed by this recipe, the packages, the sources)
 #   build/appliance/rootfs-ARCH/             the root filesystem, provisioned through Ansible's chroot connection
+#                                            (removed once the root partition is made of it)
 #   build/appliance/edge-gateway-ARCH.img    the disk, MBR: 1 boot (FAT32, EG-BOOT: amd64 the EFI system partition with
 #                                            GRUB and its A/B state grubenv; arm64 U-Boot's boot.scr and its A/B state
 #                                            boot-state.env, and the Raspberry Pi firmware), 2 and 3 the root slots A
@@ -35,6 +36,10 @@ IMAGE_ROOT_MB=${IMAGE_ROOT_MB:-2048}
 # The data partition: the LMDB store (store.max_size 1GB in the image inventory) and its headroom.
 IMAGE_DATA_MB=${IMAGE_DATA_MB:-1280}
 IMAGE_BOOT_MB=256
+# The free space the build needs where it writes (MiB): at its peak the base tar (~0.7 GiB) beside mmdebstrap's
+# chroot (~1 GiB), later the base tar, the root partition, the disk image and the power-cut copy of `make image-test`
+# (~0.9 GiB each). Checked before anything is written, so a full disk stops the build and nothing else on it.
+IMAGE_MIN_FREE_MB=${IMAGE_MIN_FREE_MB:-4096}
 # The image's version: /etc/edge-gateway-release in the root, the version of the RAUC bundle made from it.
 IMAGE_VERSION=${IMAGE_VERSION:-$(date -u +%Y.%m.%d.%H%M)-$(git -C "$ROOT_DIR" rev-parse --short HEAD 2>/dev/null || echo local)}
 # The MBR disk identifier: the partitions' PARTUUIDs (RAUC's slots, the kernel's root=) are DISKID-01 ... -04.
@@ -75,6 +80,9 @@ done
 [ -x "$VENV_BIN/ansible-playbook" ] || die "$VENV_BIN/ansible-playbook is missing: make venv (the deploy extra)"
 
 mkdir -p "$OUT"
+free_mb=$(df --output=avail -BM "$OUT" | tail -1 | tr -dc 0-9)
+[ "$free_mb" -ge "$IMAGE_MIN_FREE_MB" ] \
+    || die "not enough free space in $OUT: $free_mb MiB free, the build needs IMAGE_MIN_FREE_MB=$IMAGE_MIN_FREE_MB MiB"
 # What the build wrote before the partitioned images (a bare ext4 root with its kernel and initrd beside it).
 rm -rf "$OUT/edge-gateway.ext4" "$OUT/vmlinuz" "$OUT/initrd.img" "$OUT/wheels" "$OUT/provision-1.log" \
     "$OUT/provision-2.log" "$OUT/bookworm.sources" "$OUT/serial.log" "$OUT/serial-boot2.log"
@@ -480,6 +488,7 @@ used_mb=$(du -sm --apparent-size "$rootfs" | cut -f1)
 root_mb=$IMAGE_ROOT_MB
 [ $((used_mb * 12 / 10 + 64)) -le "$root_mb" ] || die "the root ($used_mb MiB) does not fit IMAGE_ROOT_MB=$root_mb MiB"
 mkfs.ext4 -q -F -L eg-root -d "$rootfs" "$parts/root.ext4" "${root_mb}M"
+rm -rf "$rootfs"  # the root partition holds it now; without the copy the build's peak is ~0.8 GiB lower
 # RAUC writes this image into a slot whole; a fixed UUID would be the same in both slots, so leave it random.
 mkfs.ext4 -q -F -L eg-data -d "$parts/data" "$parts/data.ext4" "${IMAGE_DATA_MB}M"
 boot_mb=$(du -sm --apparent-size "$parts/boot" | cut -f1)

@@ -624,6 +624,11 @@ def test_gateway_image_boots_supervises_the_services_and_survives_power_cuts() -
         timeout=2350,
     )
     out = proc.stdout + proc.stderr
+    refused = re.search(r"^image: not enough free space in .*$", out, re.MULTILINE)
+    if proc.returncode != 0 and refused:
+        # the build checks its disk before writing anything: on a machine short of space the rest of the suite keeps
+        # its temporary directories instead of losing them to the image's 4 GiB
+        pytest.skip(refused.group(0))
     assert proc.returncode == 0, out[-6000:]
     assert re.search(r"^image +: ok=\d+ +changed=0 +unreachable=0 +failed=0", out, re.MULTILINE), out[-6000:]
     for check in (
