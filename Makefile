@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := mosquitto mosquitto-clients systemd chromium rauc squashfs-tools u-boot-qemu u-boot-tools \
-	qemu-system-arm dosfstools mtools fdisk
+	qemu-system-arm dosfstools mtools fdisk valgrind
 
 .PHONY: demo test test-cluster test-cross lint venv compiler deps clean bench cloadgen soak fuzz image image-test image-powercut image-deps bundle image-update-test
 
@@ -126,6 +126,7 @@ bench: venv deps $(AMQTT_VENV)/.installed $(CLOADGEN)
 	$(BIN)/python bench/restart.py  # restart to READY=1 with 10^6 queued messages in 1,000 offline sessions, beside Mosquitto (~4 min)
 	$(BIN)/python bench/many_clients.py  # 10,000 clients publishing QoS 1 once a second + idle ones, beside Mosquitto (~8 min)
 	$(BIN)/python bench/slow_disk.py  # durable QoS 1 publish with 5 ms added to every fsync (group commit; ~3 min)
+	$(BIN)/python bench/instructions.py  # instructions a connection, durable publish and drained message cost each broker, under callgrind (~1 min)
 
 # The fleet pipeline on a Spark standalone cluster (tests/test_pipeline_cluster.py; not part of `make test`: about
 # 4 min on the shared 2-core machine): a master and two workers on 127.0.0.1, spark-submit of `run all`, every table

@@ -234,10 +234,13 @@ class Broker:
     """One broker process in its own work directory (store / persistence files, config, log)."""
 
     def __init__(self, kind: str, workdir: Path, persistence: bool = False, nofile: int = 20000,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, wrapper: tuple[str, ...] = ()) -> None:
+        """``wrapper``: a command the broker runs under (``valgrind --tool=callgrind ...``: bench/instructions.py),
+        between the pinning and the broker's own command line."""
         if kind not in KINDS:
             raise ValueError(kind)
         self.kind = kind
+        self.wrapper = wrapper
         self.security = security or Security()
         self.workdir = workdir
         self.persistence = persistence
@@ -272,6 +275,9 @@ class Broker:
                 "log_type warning\n"
                 "log_type notice\n"  # for "Outgoing messages are being dropped for client ..."
                 "connection_messages false\n"
+                # under a wrapper that writes files later (callgrind's dumps), Mosquitto keeps the rights it
+                # started with instead of dropping root for its own user
+                + ("user root\n" if self.wrapper and os.geteuid() == 0 else "")
             )
             return ["mosquitto", "-c", str(conf)]
         if self.kind == "edge-gateway":
@@ -309,7 +315,7 @@ class Broker:
             except (LookupError, OSError):
                 pass
         port = 0 if self.kind == "edge-gateway" else free_port()
-        cmd = pinned(self._command(port), self.nofile)
+        cmd = pinned([*self.wrapper, *self._command(port)], self.nofile)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.kind == "edge-gateway":
             env["PYTHONPATH"] = str(ROOT)

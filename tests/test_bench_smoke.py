@@ -131,6 +131,41 @@ def test_durable_cpu_profile_runs_and_queues_every_message() -> None:
     assert len(drained) == 1 and drained[0].startswith("drain: 640 of 640 queued messages delivered, 0 rows left, ")
 
 
+def test_instructions_counts_every_path_in_both_brokers_under_callgrind() -> None:
+    """bench/instructions.py runs Mosquitto and edge-gateway under callgrind and fills every step: the connect steps
+    with every connection accepted, the publish steps with every publish acknowledged, the drain steps with every
+    message delivered (it stops with an error otherwise); the second step of each path runs more instructions than
+    the first, and the table gives each path's instructions per operation for both brokers and their ratio."""
+    import instructions
+
+    if instructions.cloadgen_binary() is None:
+        pytest.skip("bench/cloadgen is not built (make cloadgen)")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "instructions.py"), "--connections", "40",
+                           "--messages", "150"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    for kind in ("mosquitto", "edge-gateway"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"# {kind} ("))
+        steps = {k: int(v.replace(",", "")) for k, v in
+                 (m.rsplit(" ", 1) for m in line.split("): ", 1)[1].split(", "))}
+        assert list(steps) == ["connect 40", "connect 80", "publish 150", "drain 150", "publish 300", "drain 300"]
+        for path, n in (("connect", 40), ("publish", 150), ("drain", 150)):
+            assert steps[f"{path} {2 * n}"] > steps[f"{path} {n}"] > 0, line
+    rows = [x for x in proc.stdout.splitlines() if x.startswith("| a ")]
+    assert len(rows) == 3, proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        mosquitto, egw = (float(c.replace(",", "")) for c in cells[1:3])
+        assert mosquitto > 0 and egw > 0 and cells[3] == f"{egw / mosquitto:.2f}x", row
+
+
+def test_instructions_per_operation_is_the_difference_of_two_steps() -> None:
+    import instructions
+
+    assert instructions.per_operation(1_000_000, 3_000_000, 100, 200) == 20_000.0
+    with pytest.raises(ValueError, match="different numbers"):
+        instructions.per_operation(1, 2, 100, 100)
+
+
 def test_ws_fanin_counts_frame_payloads_however_the_stream_is_cut() -> None:
     """bench/ws_fanin.py's subscriber counts deliveries by the payload bytes of the broker's frames: frames of 7-bit,
     16-bit and 64-bit lengths (as wsproto's server side writes them), the stream cut into pieces of 1, 2, 3, 7 and
