@@ -89,11 +89,12 @@ lint: venv
 # run again on their .py files (EDGE_GATEWAY_PURE=1, gateway/native.py), so both stay correct: 768 tests, about 30 s
 # more on 2 workers.
 TEST_WORKERS ?= 2
+# The 25 slowest tests are listed at the end of the compiled run: the suite has a 20-minute budget.
 PURE_TESTS := tests/test_codec_roundtrip.py tests/test_codec_vectors.py tests/test_codec_malformed.py tests/test_topics.py \
 	tests/test_core.py tests/test_limits.py tests/test_protocol_glue.py tests/test_fuzz.py tests/test_store_names.py
 test: venv deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --core compiled
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --core compiled --durations=25
 	EDGE_GATEWAY_PURE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --core pure -q $(PURE_TESTS)
 
 # Benchmarks side by side with Mosquitto (bench/run.py about 10 min on 2 cores, the scripts after it ~15 min). amqtt, the Python reference, lives in its
