@@ -23,17 +23,6 @@ from gateway.broker.session_state import Connection
 from gateway.mqtt.packets import MQTT_5
 
 
-class _Bucket(dict[Connection, None]):
-    """The connections filed under one second (a dict as an ordered set), and that second: every connection in it
-    shares this one int object as its ``check_key`` (a second past 2**30 is an int object of 32 bytes)."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: int) -> None:
-        super().__init__()
-        self.key = key
-
-
 class DeadlineIndex:
     """Open connections by the whole second (``math.floor`` of wall-clock seconds) of their next deadline check.
 
@@ -45,14 +34,17 @@ class DeadlineIndex:
     __slots__ = ("_buckets", "_keys")
 
     def __init__(self) -> None:
-        # Each bucket a dict used as an ordered set: at thousands of entries a dict takes about a third of a
-        # set's memory (24 bytes an entry plus a small index, against a set's 16-byte slots kept under 60% full).
-        self._buckets: dict[int, _Bucket] = {}
+        # A second's bucket: that second as one int object, which every connection in it shares as its
+        # ``check_key`` (a second past 2**30 is an int object of 32 bytes), and its connections, a dict used as an
+        # ordered set: at thousands of entries a dict takes about a third of a set's memory (24 bytes an entry plus
+        # a small index, against a set's 16-byte slots kept under 60% full). Plain dicts and a tuple: compiled, a
+        # dict subclass's item access would go through Python-level slot lookups, several times the cost.
+        self._buckets: dict[int, tuple[int, dict[Connection, None]]] = {}
         self._keys: list[int] = []  # a heap of the buckets' seconds
 
     def __len__(self) -> int:
         """Connections scheduled."""
-        return sum(len(b) for b in self._buckets.values())
+        return sum(len(conns) for _key, conns in self._buckets.values())
 
     def schedule(self, conn: Connection, at: float) -> None:
         """Check ``conn`` at the first tick at or after ``at`` (seconds) unless it is already due no later."""
@@ -64,10 +56,10 @@ class DeadlineIndex:
             self.unschedule(conn)
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(key)
+            bucket = self._buckets[key] = (key, {})
             heappush(self._keys, key)
-        bucket[conn] = None
-        conn.check_key = bucket.key
+        bucket[1][conn] = None
+        conn.check_key = bucket[0]
 
     def refile(self, conn: Connection, at: float | None) -> None:
         """File ``conn`` under ``at`` (seconds; ``None``: no deadline) whatever it was filed under before: its
@@ -84,7 +76,9 @@ class DeadlineIndex:
         conn.check_key = None
         bucket = self._buckets.get(key)
         if bucket is not None:
-            bucket.pop(conn, None)  # an emptied bucket stays until its second: one heap entry per second
+            conns = bucket[1]
+            if conn in conns:  # an emptied bucket stays until its second: one heap entry per second
+                del conns[conn]
 
     def due(self, now: float) -> list[Connection]:
         """Take out and return every connection filed under a second ``<= now``. The caller checks each and files
@@ -93,10 +87,11 @@ class DeadlineIndex:
         keys, buckets = self._keys, self._buckets
         while keys and keys[0] <= now:
             bucket = buckets.pop(heappop(keys), None)
-            if bucket:
-                for conn in bucket:
+            if bucket is not None:
+                conns = bucket[1]
+                for conn in conns:
                     conn.check_key = None
-                out.extend(bucket)
+                out.extend(conns)
         return out
 
 
