@@ -155,7 +155,8 @@ def test_instructions_counts_every_path_in_both_brokers_under_callgrind() -> Non
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         mosquitto, egw = (float(c.replace(",", "")) for c in cells[1:3])
-        assert mosquitto > 0 and egw > 0 and cells[3] == f"{egw / mosquitto:.2f}x", row
+        # the ratio is of the unrounded figures, the cells are rounded to whole instructions
+        assert mosquitto > 0 and egw > 0 and abs(float(cells[3].rstrip("x")) - egw / mosquitto) < 0.01, row
 
 
 def test_instructions_per_operation_is_the_difference_of_two_steps() -> None:
