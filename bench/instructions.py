@@ -21,7 +21,7 @@ After each step ``callgrind_control --dump`` writes the instructions the broker 
 the last dump, once its CPU has gone quiet. A path's cost is the difference of its two steps over the difference
 of their counts, so what a step costs once (a client's connection, the start of a drain) cancels. The counts are
 instructions, not seconds: they do not move with the machine's load or its fast and slow states, and the kernel's
-work (the TCP stack, fdatasync) is not in them. Takes about 3 minutes with the defaults.
+work (the TCP stack, fdatasync) is not in them. Takes about a minute with the defaults.
 """
 
 from __future__ import annotations
