@@ -559,13 +559,19 @@ def test_seed_003_retry_interval_resends_to_mqtt311_but_never_within_an_mqtt5_co
     one, two = first311
     v311.send(PubRec(two.packet_id))  # type: ignore[union-attr]
     v5.send(PubRec(first5[1].packet_id))  # type: ignore[union-attr]
-    assert barrier(v311, 1) == [PubRel(two.packet_id)]  # type: ignore[union-attr]
     assert barrier(v5, 1) == [PubRel(first5[1].packet_id)]  # type: ignore[union-attr]
 
-    again = [v311.recv(timeout=4.0), v311.recv(timeout=2.0)]
-    assert isinstance(again[0], Publish)
-    assert (again[0].payload, again[0].qos, again[0].dup, again[0].packet_id) == (b"one", 1, True, one.packet_id)
-    assert again[1] == PubRel(two.packet_id)  # type: ignore[union-attr]
+    # The PUBREL answers the PUBREC at once. Then each delivery comes again at the first tick a second or more
+    # after its own last send: "one" may come twice before the PUBREL comes again, and one tick may carry both.
+    again: list[Packet] = []
+    while again.count(PubRel(two.packet_id)) < 2 or not any(isinstance(p, Publish) for p in again):  # type: ignore[union-attr]
+        assert len(again) < 6, again
+        again.append(v311.recv(timeout=4.0))
+    for packet in again:
+        if isinstance(packet, Publish):
+            assert (packet.payload, packet.qos, packet.dup, packet.packet_id) == (b"one", 1, True, one.packet_id)
+        else:
+            assert packet == PubRel(two.packet_id)  # type: ignore[union-attr]
     # The same tick would have re-sent to the 5.0 client: nothing came.
     assert barrier(v5) == []
     v311.send(PubAck(one.packet_id))  # type: ignore[union-attr]

@@ -401,6 +401,26 @@ def test_seed003_subscriber_side_qos2_flow_publish_pubrec_pubrel_pubcomp() -> No
     assert not broker.sessions["sub"].inflight
 
 
+def test_seed003_retry_interval_counts_a_pubrel_from_its_own_send() -> None:
+    """3.1.1 with ``retry_interval`` 1 s: an unacknowledged PUBLISH comes again with DUP=1 a second after its last
+    send, and the PUBREL that answered a PUBREC a second after that PUBREL went out, not after its PUBLISH did
+    (docs/architecture.md, "Session semantics"). PUBRECs read one at a time and as a run count alike."""
+    broker, sub, pub = pair(ZoneLimits(retry_interval=1.0), sub_qos=2)
+    for pid, payload in enumerate((b"one", b"two", b"three"), start=1):
+        pub.send(Publish("t", payload, qos=2, packet_id=pid))
+        pub.send(PubRel(pid))
+    one, two, three = sub.publishes()
+    sub.send(PubRec(two.packet_id), now=0.9)
+    sub.send_bytes(PubRec(three.packet_id).encode(4) + PubRec(99).encode(4), now=0.9)
+    assert sub.read() == [PubRel(two.packet_id), PubRel(three.packet_id), PubRel(99)]
+    broker.tick(1.5)
+    assert sub.read() == [Publish("t", b"one", qos=2, dup=True, packet_id=one.packet_id)]
+    broker.tick(1.95)
+    assert sub.read() == [PubRel(two.packet_id), PubRel(three.packet_id)]
+    broker.tick(2.5)
+    assert sub.read() == [Publish("t", b"one", qos=2, dup=True, packet_id=one.packet_id)]
+
+
 @pytest.mark.parametrize("version", [4, 5])
 def test_seed003_qos2_flows_acknowledged_in_runs_of_one_read_each(version: int) -> None:
     """Runs of PUBRELs, PUBRECs and PUBCOMPs arriving in one read (the broker reads them without a packet object

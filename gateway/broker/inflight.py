@@ -265,6 +265,8 @@ def pubrec(core: BrokerState, conn: Connection, pid: int, reason: int, now: floa
         finish(core, session, delivery)
         pump(core, session, now)
         return
+    # The PUBREL that answers goes out now: a 3.1.1 ``retry_interval`` counts from this send, not the PUBLISH's.
+    delivery.sent_at = now
     if delivery.state != AWAIT_COMP:
         delivery.state = AWAIT_COMP
         if session.persistent:
