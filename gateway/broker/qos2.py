@@ -1,9 +1,9 @@
-"""The QoS 2 receiver ("method B" of MQTT 5.0 §4.3.3): the broker keeps an inbound QoS 2 message and
-its Packet Identifier, answers PUBREC once that is durable, treats a repeat of the identifier as a duplicate
-(PUBREC again, no second copy), routes the message onward on PUBREL, then forgets the identifier and sends
-PUBCOMP; a PUBREL for an identifier it does not know still gets PUBCOMP (5.0: 0x92). ``max_awaiting_rel`` bounds
-the identifiers held (checked with Receive Maximum in :mod:`gateway.broker.inbound`), ``await_rel_timeout``
-their age.
+"""The QoS 2 receiver ("Method A" of MQTT 3.1.1 Figure 4.3; MQTT 5.0 §4.3.3 leaves the moment of onward delivery
+to the receiver): the broker keeps an inbound QoS 2 message and its Packet Identifier, answers PUBREC once that is
+durable, treats a repeat of the identifier as a duplicate (PUBREC again, no second copy), routes the message
+onward on PUBREL, then forgets the identifier and sends PUBCOMP; a PUBREL for an identifier it does not know still
+gets PUBCOMP (5.0: 0x92). ``max_awaiting_rel`` bounds the identifiers held (checked with Receive Maximum in
+:mod:`gateway.broker.inbound`), ``await_rel_timeout`` their age.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def received(core: BrokerState, conn: Connection, session: Session, p: Publish, 
 
 def duplicate(core: BrokerState, conn: Connection, pid: int) -> None:
     """A re-sent QoS 2 PUBLISH for an identifier awaiting PUBREL: PUBREC again, no second copy (the receiver keeps
-    the identifier until PUBREL, MQTT 5.0 §4.3.3 "method B"). Held behind the first one's record, and withheld if
-    that fails (the identifier is released then)."""
+    the identifier until PUBREL, [MQTT-4.3.3-10] 5.0, [MQTT-4.3.3-2] 3.1.1). Held behind the first one's record,
+    and withheld if that fails (the identifier is released then)."""
     core.stats.dropped["qos2_duplicate"] += 1
     if hold(core, ACK_PUBREC_AGAIN, conn, pid, own=True):
         pubrec(core, conn, pid)
