@@ -128,6 +128,7 @@ bench: venv deps $(AMQTT_VENV)/.installed $(CLOADGEN)
 	$(BIN)/python bench/many_clients.py  # 10,000 clients publishing QoS 1 once a second + idle ones, beside Mosquitto (~8 min)
 	$(BIN)/python bench/slow_disk.py  # durable QoS 1 publish with 5 ms added to every fsync (group commit; ~3 min)
 	$(BIN)/python bench/instructions.py  # instructions a connection, durable publish and drained message cost each broker, under callgrind (~1 min)
+	$(BIN)/python bench/durable_commits.py  # the durable publish commit by commit: messages a commit, time in LMDB's commit (~15 s)
 
 # The fleet pipeline on a Spark standalone cluster (tests/test_pipeline_cluster.py; not part of `make test`: about
 # 4 min on the shared 2-core machine): a master and two workers on 127.0.0.1, spark-submit of `run all`, every table

@@ -159,6 +159,27 @@ def test_instructions_counts_every_path_in_both_brokers_under_callgrind() -> Non
         assert mosquitto > 0 and egw > 0 and abs(float(cells[3].rstrip("x")) - egw / mosquitto) < 0.01, row
 
 
+def test_durable_commits_reports_the_stores_own_commit_counters() -> None:
+    """bench/durable_commits.py publishes durable QoS 1 messages into an offline session with the C publishers and
+    reports, from edge-gateway's own /metrics, its group commits and the time spent in LMDB's commit: every message
+    acknowledged (it stops with an error otherwise), at least one commit, no more messages a commit than were in
+    flight, and a share of the run in the commit between 0 and 1."""
+    import durable_commits
+
+    if durable_commits.cloadgen_binary() is None:
+        pytest.skip("bench/cloadgen is not built (make cloadgen)")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "durable_commits.py"), "--messages", "2000",
+                           "--runs", "1", "--window", "8"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("# run 1: "))
+    figures = {label: float(value.rstrip("%").replace(",", "")) for label, value in
+               (f.rsplit(" ", 1) for f in line.removeprefix("# run 1: ").split(", "))}
+    assert figures["acked msgs/s"] > 0 and figures["commits/s"] > 0, line
+    assert 1 <= figures["msgs/commit"] <= durable_commits.PUBLISHERS * 8, line
+    assert 0 < figures["share of the run in txn.commit"] <= 100 and figures["ms in txn.commit a commit"] > 0, line
+    assert len([x for x in proc.stdout.splitlines() if x.startswith("|")]) == 2 + len(durable_commits.COLUMNS)
+
+
 def test_instructions_per_operation_is_the_difference_of_two_steps() -> None:
     import instructions
 
