@@ -234,13 +234,16 @@ class Broker:
     """One broker process in its own work directory (store / persistence files, config, log)."""
 
     def __init__(self, kind: str, workdir: Path, persistence: bool = False, nofile: int = 20000,
-                 security: Security | None = None, wrapper: tuple[str, ...] = ()) -> None:
+                 security: Security | None = None, wrapper: tuple[str, ...] = (),
+                 store_options: tuple[str, ...] = ()) -> None:
         """``wrapper``: a command the broker runs under (``valgrind --tool=callgrind ...``: bench/instructions.py),
-        between the pinning and the broker's own command line."""
+        between the pinning and the broker's own command line. ``store_options``: edge-gateway's further
+        ``[store]`` lines (``'lazy_commit = "250ms"'``)."""
         if kind not in KINDS:
             raise ValueError(kind)
         self.kind = kind
         self.wrapper = wrapper
+        self.store_options = store_options
         self.security = security or Security()
         self.workdir = workdir
         self.persistence = persistence
@@ -288,7 +291,8 @@ class Broker:
                 'log_level = "warning"\n'
                 "[store]\n"
                 f'path = "{self.workdir / "store"}"\n'
-                "[listeners.external]\n"
+                + "".join(f"{line}\n" for line in self.store_options)
+                + "[listeners.external]\n"
                 'bind = "127.0.0.1:0"\n'
                 f"max_inflight = {MAX_INFLIGHT}\n"
                 f"max_mqueue_len = {MAX_QUEUED}\n"

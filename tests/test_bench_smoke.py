@@ -131,18 +131,25 @@ def test_durable_cpu_profile_runs_and_queues_every_message() -> None:
     assert len(drained) == 1 and drained[0].startswith("drain: 640 of 640 queued messages delivered, 0 rows left, ")
 
 
-def test_instructions_counts_every_path_in_both_brokers_under_callgrind() -> None:
+def test_instructions_counts_every_path_in_both_brokers_under_callgrind(tmp_path: Path) -> None:
     """bench/instructions.py runs Mosquitto and edge-gateway under callgrind and fills every step: the connect steps
     with every connection accepted, the publish steps with every publish acknowledged, the drain steps with every
     message delivered (it stops with an error otherwise); the second step of each path runs more instructions than
-    the first, and the table gives each path's instructions per operation for both brokers and their ratio."""
+    the first, and the table gives each path's instructions per operation for both brokers and their ratio.
+    ``--keep`` leaves each broker's dumps (warm-up and six steps) and edge-gateway's config, with the stretched
+    ``lazy_commit`` given by ``--lazy-commit``."""
     import instructions
 
     if instructions.cloadgen_binary() is None:
         pytest.skip("bench/cloadgen is not built (make cloadgen)")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "instructions.py"), "--connections", "40",
-                           "--messages", "150"], capture_output=True, text=True, timeout=600)
+                           "--messages", "150", "--lazy-commit", "0.3", "--keep", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    for kind in ("mosquitto", "edge-gateway"):
+        dumps = sorted(p.name for p in (tmp_path / kind).glob("callgrind.out.*"))
+        assert dumps == [f"callgrind.out.{i}" for i in range(1, 8)], dumps
+    assert 'lazy_commit = "300ms"' in (tmp_path / "edge-gateway" / "broker" / "gateway.toml").read_text()
     for kind in ("mosquitto", "edge-gateway"):
         line = next(x for x in proc.stdout.splitlines() if x.startswith(f"# {kind} ("))
         steps = {k: int(v.replace(",", "")) for k, v in

@@ -165,6 +165,8 @@ def test_check_config_bad_file_exits_1_and_names_every_bad_key(tmp_path: Path) -
      "listeners.x.zone = 'dmz': must be one of external, internal"),
     ("[brokr]\n", "brokr: unknown section; allowed: broker, listeners, metrics, store, update, upstream"),
     ("[broker]\nlog_level = \"verbose\"\n", "broker.log_level = 'verbose': must be one of debug, info, warning, error"),
+    ("[store]\nlazy_commit = \"2s\"\n",
+     "store.lazy_commit = '2s': must be a duration 0..1s such as \"5ms\" (0 = at the end of the loop turn)"),
     ("[store]\nmqueue_mem_len = -1\n",
      "store.mqueue_mem_len = -1: must be an integer >= 0 (queued messages of a persistent session kept in memory; "
      "the rest wait only in the store; 0 = all in memory)"),
@@ -378,3 +380,13 @@ def test_serve_keeps_the_other_commands_and_websockets_out_of_the_broker(tmp_pat
     listing = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, timeout=60)
     for command in ("serve", "check-config", "store", "passwd", "settings", "update", "version"):
         assert re.search(rf"^    {command}\b", listing.stdout, re.MULTILINE), listing.stdout
+
+
+def test_store_lazy_commit_is_read_into_the_store_settings() -> None:
+    """config.py: ``[store] lazy_commit`` (a duration, 0..1 s) becomes the store's ``lazy_commit`` in seconds, the
+    settings object the runner opens the store with; without it the store's default, 5 ms, holds."""
+    from gateway.server.config import load_config
+
+    assert load_config({"store": {"lazy_commit": "250ms"}}).store.lazy_commit == 0.25
+    assert load_config({"store": {"lazy_commit": 0}}).store.lazy_commit == 0.0
+    assert load_config({}).store.lazy_commit == 0.005

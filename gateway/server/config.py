@@ -169,7 +169,9 @@ _BIND: ValueSpec = ("address", 0, 65535, ADDRESS_ALLOWED)
 _SYS_INTERVAL: ValueSpec = ("duration", 0, math.inf, 'a duration such as "10s" (0 = off)')
 _STORE_MAX_SIZE: ValueSpec = ("size", 4 * 1024 * 1024, 2**62, 'a size of at least 4MB such as "1GB"')
 _COMMIT_INTERVAL: ValueSpec = ("duration", 0, 1, 'a duration 0..1s such as "2ms"')
-_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "on_corrupt", "group_commit", "mqueue_mem_len"}
+_LAZY_COMMIT: ValueSpec = ("duration", 0, 1, 'a duration 0..1s such as "5ms" (0 = at the end of the loop turn)')
+_STORE_KEYS = {"backend", "path", "max_size", "commit_interval", "lazy_commit", "on_corrupt", "group_commit",
+               "mqueue_mem_len"}
 
 
 # allow_anonymous, password_file, acl_file (gateway/server/auth_files.py)
@@ -405,6 +407,10 @@ def _load_store(cfg: GatewayConfig, table: Any, errors: list[str]) -> None:
             interval = check_value("store", key, value, errors, _COMMIT_INTERVAL)
             if interval is not None:
                 cfg.store.commit_interval = interval
+        elif key == "lazy_commit":
+            interval = check_value("store", key, value, errors, _LAZY_COMMIT)
+            if interval is not None:
+                cfg.store.lazy_commit = interval
         elif key == "group_commit":
             if not isinstance(value, bool):
                 errors.append(f"store.group_commit = {value!r}: must be true (default) or false (one fsync per "

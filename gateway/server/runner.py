@@ -98,8 +98,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         first = config.listeners[0].limits if config.listeners else ZoneLimits()
         lmdb_store = LmdbStore(config.store, lambda: first)
         store = lmdb_store
-        log.info("store: LMDB at %s (max_size %d bytes, commit_interval %.3f s)", os.path.abspath(config.store.path),
-                 config.store.max_size, config.store.commit_interval)
+        log.info("store: LMDB at %s (max_size %d bytes, commit_interval %.3f s, lazy_commit %.3f s)",
+                 os.path.abspath(config.store.path), config.store.max_size, config.store.commit_interval,
+                 config.store.lazy_commit)
     else:
         lmdb_store = None
         store = MemoryStore()
