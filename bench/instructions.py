@@ -104,7 +104,8 @@ class Measured:
         self.out = workdir / "callgrind.out"
         self.broker = Broker(kind, workdir / "broker", persistence=kind == "edge-gateway",
                              wrapper=("valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out}"),
-                             store_options=(f'lazy_commit = "{lazy_commit * 1000:g}ms"',))
+                             store_options=(f'lazy_commit = "{lazy_commit * 1000:g}ms"',)
+                             if kind == "edge-gateway" else ())
         self.dumps = 0
 
     def start(self) -> int:
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--brokers: {','.join(bad) or 'none'}: allowed are mosquitto, edge-gateway")
     if args.connections < 1 or args.messages < 1:
         ap.error("--connections and --messages must be at least 1")
+    if not 0 <= args.lazy_commit <= 1:
+        ap.error(f"--lazy-commit {args.lazy_commit:g}: must be 0..1 seconds (the [store] key's range)")
     for tool in ("valgrind", "callgrind_control", "mosquitto_sub") + (("mosquitto",) if "mosquitto" in kinds else ()):
         if shutil.which(tool) is None:
             print(f"instructions: {tool} is not installed", file=sys.stderr)
